@@ -1,0 +1,46 @@
+"""Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
+
+import os
+
+# Before anything imports jax: this process gets 8 CPU devices for in-process tests.
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["KERAS_BACKEND"] = "jax"
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from training.config import RunConfig, register_configs, to_run_config  # noqa: E402
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+register_configs()
+
+# Small and quick: every multi-host test trains this for a few steps.
+FAST = ["trainer.steps=6", "trainer.log_interval=2", "trainer.global_batch=32"]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def run_config(overrides: list[str]) -> RunConfig:
+    return to_run_config(compose_config(overrides))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance with its dashboard, whose state API lists the actors left alive."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=True, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def alive_actors() -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("state", "=", "ALIVE")])

@@ -1,0 +1,48 @@
+"""The correctness reference: plain Keras, one process, one device, the same global batches.
+
+Usage: python single_device_reference.py '<json list of overrides>'  -> prints the losses at
+the logged steps as JSON. Shares only the model, data and optimizer definitions with the
+system under test, not its strategy, host or coordinator code.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["KERAS_BACKEND"] = "jax"
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from training import models  # noqa: E402
+from training.config import register_configs, to_run_config  # noqa: E402
+from training.data import build_dataset  # noqa: E402
+from training.optimizers import build_optimizer  # noqa: E402
+
+
+def reference_losses(overrides: list[str]) -> list[float]:
+    register_configs()
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_run_config(compose("config", overrides=overrides))
+    assert len(jax.devices()) == 1
+    keras.utils.set_random_seed(cfg.trainer.seed)
+    dataset = build_dataset(cfg.data)
+    model = models.build_model(cfg.model, dataset.spec)
+    model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.loss(cfg.model))
+    batch = cfg.trainer.global_batch
+    losses = []
+    for step in range(cfg.trainer.steps):
+        x, y = dataset.batch(step, batch, slice(0, batch))
+        loss = float(model.train_on_batch(x, y, return_dict=True)["loss"])
+        if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.steps:
+            losses.append(loss)
+    return losses
+
+
+if __name__ == "__main__":
+    print(json.dumps(reference_losses(json.loads(sys.argv[1]))))

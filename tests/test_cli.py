@@ -1,0 +1,78 @@
+"""The command line as a user runs it: `python -m training.run [-m] overrides`."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "training.run", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["strategy=hybrid", "mesh.data=3", "mesh.model=4"],
+            "mesh.data × mesh.model = 3 × 4 = 12 devices, "
+            "but the cluster provides 8 (2 hosts × 4 devices)",
+        ),
+        (["trainer.global_batch=63"], "trainer.global_batch=63 is not divisible"),
+    ],
+)
+def test_bad_input_is_one_clear_line_without_a_traceback(tmp_path, args, message):
+    result = cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.json"))
+
+
+def test_unknown_strategy_lists_the_choices(tmp_path):
+    result = cli("strategy=pipeline", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Could not find 'strategy/pipeline'" in result.stderr
+    assert "model_parallel" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.ray
+def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
+    result = cli(
+        "-m",
+        "strategy=hybrid",
+        "mesh.data=2",
+        "mesh.model=4",
+        "trainer.steps=4",
+        "trainer.log_interval=2",
+        "trainer.global_batch=32",
+        "optimizer=adam,sgd",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = [Path(p) for p in re.findall(r"^summary: (.+)$", result.stdout, re.MULTILINE)]
+    assert paths == [
+        tmp_path / "sweep" / "0" / "summary.json",
+        tmp_path / "sweep" / "1" / "summary.json",
+    ]
+    summaries = [json.loads(p.read_text()) for p in paths]
+    assert [s["config"]["optimizer"]["name"] for s in summaries] == ["adam", "sgd"]
+    for summary in summaries:
+        assert summary["status"] == "completed" and summary["mesh"] == {"data": 2, "model": 4}
+        assert len(summary["loss_history"]) == 2
+    assert "step 4/4" in result.stdout  # plain progress lines when not on a terminal

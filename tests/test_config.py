@@ -1,0 +1,88 @@
+"""Composition of every config group option, and typed rejection of bad values."""
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from tests.conftest import CONF_DIR, compose_config, run_config
+from training.config import (
+    AdamConfig,
+    ConfigError,
+    LocalClusterConfig,
+    MLPConfig,
+    RayClusterConfig,
+    SGDConfig,
+)
+
+GROUP_OPTIONS = sorted((path.parent.name, path.stem) for path in CONF_DIR.glob("*/*.yaml"))
+
+
+def test_every_group_has_options():
+    groups = {group for group, _ in GROUP_OPTIONS}
+    assert {"strategy", "mesh", "model", "data", "optimizer", "cluster", "trainer"} <= groups
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)
+def test_every_option_composes_into_typed_config(group, option):
+    cfg = run_config([f"{group}={option}"])
+    node = getattr(cfg, group)
+    assert not isinstance(node, dict), f"{group}={option} was not converted to its dataclass"
+
+
+def test_defaults_are_data_parallel_on_two_local_hosts_of_four_devices():
+    cfg = run_config([])
+    assert cfg.strategy.name == "data_parallel"
+    assert isinstance(cfg.cluster, LocalClusterConfig)
+    assert (cfg.cluster.hosts, cfg.cluster.devices_per_host) == (2, 4)
+    assert (cfg.mesh.data, cfg.mesh.model) == (-1, -1)
+    assert isinstance(cfg.model, MLPConfig) and isinstance(cfg.optimizer, AdamConfig)
+
+
+def test_options_get_their_own_schema():
+    assert isinstance(run_config(["optimizer=sgd"]).optimizer, SGDConfig)
+    ray_cfg = run_config(["cluster=ray", "cluster.address=ray://head:10001"])
+    assert isinstance(ray_cfg.cluster, RayClusterConfig)
+    assert ray_cfg.cluster.address == "ray://head:10001"
+
+
+def test_mesh_override_from_the_command_line():
+    cfg = run_config(["strategy=hybrid", "mesh.data=2", "mesh.model=4"])
+    assert (cfg.strategy.name, cfg.mesh.data, cfg.mesh.model) == ("hybrid", 2, 4)
+
+
+def test_extra_layout_rules_from_the_command_line():
+    cfg = run_config(["strategy=hybrid", "++strategy.layout_rules={head/kernel:[null,model]}"])
+    assert cfg.strategy.layout_rules == {"head/kernel": [None, "model"]}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.steps=many", "trainer.steps"),
+        ("mesh.model=four", "mesh.model"),
+        ("model.no_such_key=1", "model.no_such_key"),
+        ("trainer.learning_rate=0.1", "trainer.learning_rate"),
+    ],
+)
+def test_wrong_type_or_unknown_key_is_a_clear_error(override, message):
+    with pytest.raises(ConfigCompositionException, match=message.replace(".", r"\.")):
+        compose_config([override])
+
+
+@pytest.mark.parametrize("group", ["strategy", "model", "data"])
+def test_unknown_choice_lists_the_available_ones(group):
+    with pytest.raises(MissingConfigException, match=f"Available options in '{group}'"):
+        compose_config([f"{group}=no_such_option"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.steps=0", "trainer.steps must be >= 1"),
+        ("mesh.data=0", "mesh.data=0"),
+        ("cluster.hosts=0", "cluster.hosts must be >= 1"),
+        ("strategy.name=pipeline", "strategy.name='pipeline' is not one of"),
+    ],
+)
+def test_out_of_range_values_are_rejected_at_the_boundary(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_config([override])

@@ -1,0 +1,131 @@
+"""Real multi-host runs: 2 Ray actors × 4 CPU devices forming one 8-device JAX cluster."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import FAST, alive_actors, run_config
+from training.config import ConfigError
+from training.coordinator import HostFailure
+from training.run import run_training
+
+pytestmark = pytest.mark.ray
+HERE = Path(__file__).resolve().parent
+
+# What the MLP's layout rules split, per strategy, as read back from the live arrays.
+SPLIT_KERNELS = {
+    "block_0_up/kernel": "P(None, 'model')",
+    "block_1_up/kernel": "P(None, 'model')",
+    "block_0_up/bias": "P('model',)",
+    "block_0_down/kernel": "P('model', None)",
+}
+
+
+def train(overrides: list[str], output_dir: Path) -> dict:
+    summary = run_training(run_config(FAST + overrides), output_dir)
+    assert (
+        json.loads((output_dir / "summary.json").read_text())["final_loss"] == summary["final_loss"]
+    )
+    return summary
+
+
+def assert_hosts_agree(summary: dict) -> None:
+    assert summary["status"] == "completed"
+    assert summary["hosts_agree_on_loss"]
+    first, second = summary["per_host_final_loss"]
+    assert first == pytest.approx(second, rel=1e-6)
+    assert summary["final_loss"] == pytest.approx(first, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mesh", "model_axis"),
+    [
+        (["strategy=hybrid", "mesh.data=2", "mesh.model=4"], {"data": 2, "model": 4}, 4),
+        (["strategy=model_parallel", "mesh.model=8"], {"data": 1, "model": 8}, 8),
+    ],
+)
+def test_sharded_strategies_shard_the_live_arrays(
+    ray_cluster, tmp_path, overrides, mesh, model_axis
+):
+    summary = train(overrides, tmp_path)
+    assert_hosts_agree(summary)
+    assert summary["mesh"] == mesh and summary["devices_total"] == 8
+    for path, spec in SPLIT_KERNELS.items():
+        assert summary["variable_shardings"][path] == spec
+        variable = summary["variables"][path]
+        assert np.prod(variable["shard_shape"]) * model_axis == np.prod(variable["shape"])
+    assert summary["variable_shardings"]["head/kernel"] == "P(None, None)"
+    assert summary["parameter_bytes_per_device"] < summary["parameter_bytes_total"]
+    assert summary["model_groups_within_hosts"] is (mesh["model"] <= 4)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert not alive_actors()
+
+
+def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path):
+    overrides = ["trainer.log_interval=1"]
+    summary = train(overrides, tmp_path)
+    assert_hosts_agree(summary)
+    assert summary["mesh"] == {"data": 8, "model": 1}
+    assert set(summary["variable_shardings"].values()) <= {"P(None,)", "P(None, None)"}
+    assert summary["device_hosts"] == {0: 0, 1: 0, 2: 0, 3: 0, 2048: 1, 2049: 1, 2050: 1, 2051: 1}
+
+    reference = subprocess.run(
+        [sys.executable, str(HERE / "single_device_reference.py"), json.dumps(FAST + overrides)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = json.loads(reference.stdout.strip().splitlines()[-1])
+    assert len(expected) == len(summary["loss_history"]) == 6
+    np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
+    assert not alive_actors()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["strategy=hybrid", "mesh.data=4", "mesh.model=4"],
+            r"4 × 4 = 16 devices, but the cluster provides 8 \(2 hosts × 4 devices\)",
+        ),
+        (["trainer.global_batch=36"], "not divisible by the data axis size mesh.data"),
+        (["strategy=model_parallel", "trainer.global_batch=33"], "not divisible by the host count"),
+        (
+            ["strategy=hybrid", "++strategy.layout_rules={d1/kernel:[null,model]}"],
+            "'d1/kernel' matches no variable",
+        ),
+        (
+            [
+                "strategy=model_parallel",
+                "cluster.hosts=3",
+                "cluster.devices_per_host=1",
+                "trainer.global_batch=63",
+            ],
+            "which does not divide it",
+        ),
+    ],
+)
+def test_bad_input_fails_before_any_actor_starts(ray_cluster, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_training(run_config(FAST + overrides), tmp_path)
+    assert not alive_actors()
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_more_hosts_than_the_cluster_can_place_fails_within_the_timeout(ray_cluster, tmp_path):
+    overrides = ["cluster.hosts=8", "cluster.devices_per_host=1", "cluster.placement_timeout_s=2"]
+    with pytest.raises(ConfigError, match="could not place 8 hosts"):
+        run_training(run_config(FAST + overrides), tmp_path)
+    assert not alive_actors()
+
+
+def test_a_host_that_stops_reporting_stops_the_run(ray_cluster, tmp_path):
+    with pytest.raises(HostFailure, match="reported no progress"):
+        run_training(run_config(FAST + ["fault.timeout_s=0.5"]), tmp_path)
+    assert not alive_actors()
+    failed = json.loads((tmp_path / "summary.json").read_text())
+    assert failed["status"] == "failed" and "reported no progress" in failed["error"]

@@ -1,0 +1,78 @@
+"""Preflight rejects bad input on the driver, naming what is wrong, before any actor starts."""
+
+import pytest
+
+from tests.conftest import run_config
+from training.config import ConfigError
+from training.models import VariableInfo
+from training.preflight import check_layout_rules, preflight
+from training.strategy import MeshShape
+
+VARIABLES = [
+    VariableInfo("dense/kernel", (16, 12), "float32"),
+    VariableInfo("dense/bias", (12,), "float32"),
+]
+
+
+def test_a_valid_hybrid_run_passes_and_lists_the_model_variables():
+    plan = preflight(run_config(["strategy=hybrid", "mesh.data=2", "mesh.model=4"]))
+    assert plan.mesh == MeshShape(2, 4)
+    assert "block_0_up/kernel" in {v.path for v in plan.variables}
+
+
+def test_rule_matching_nothing_names_the_rule_and_lists_the_paths():
+    with pytest.raises(ConfigError) as error:
+        check_layout_rules({"d1/kernel": (None, "model")}, VARIABLES, MeshShape(2, 4))
+    message = str(error.value)
+    assert "'d1/kernel' matches no variable" in message
+    assert "dense/kernel [16, 12]" in message and "dense/bias [12]" in message
+
+
+def test_split_that_does_not_divide_names_the_variable_and_sizes():
+    with pytest.raises(ConfigError, match=r"splits dimension 1 of dense/kernel \(size 12"):
+        check_layout_rules({"dense/kernel": (None, "model")}, VARIABLES, MeshShape(1, 8))
+
+
+def test_rule_of_the_wrong_rank_is_rejected():
+    with pytest.raises(ConfigError, match="gives 1 axes"):
+        check_layout_rules({"dense/kernel": ("model",)}, VARIABLES, MeshShape(2, 4))
+
+
+def test_rule_naming_an_unknown_axis_is_rejected():
+    with pytest.raises(ConfigError, match="unknown mesh axis 'tensor'"):
+        check_layout_rules({"dense/kernel": (None, "tensor")}, VARIABLES, MeshShape(2, 4))
+
+
+def test_variable_matched_by_two_rules_is_rejected():
+    rules = {"dense/.*": (None,), "dense/b.*": (None,)}
+    with pytest.raises(ConfigError, match="dense/bias matches several layout rules"):
+        check_layout_rules(rules, VARIABLES[1:], MeshShape(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["strategy=hybrid", "mesh.data=4", "mesh.model=4"],
+            "16 devices, but the cluster provides 8",
+        ),
+        (["trainer.global_batch=36"], "global_batch=36 is not divisible by the data axis"),
+        (["strategy=model_parallel", "trainer.global_batch=33"], "not divisible by the host count"),
+        (
+            [
+                "strategy=model_parallel",
+                "cluster.hosts=3",
+                "cluster.devices_per_host=1",
+                "trainer.global_batch=63",
+            ],
+            "over mesh.model=3, which does not divide it",
+        ),
+        (
+            ["strategy=hybrid", "++strategy.layout_rules={d1/kernel:[null,model]}"],
+            "'d1/kernel' matches no variable",
+        ),
+    ],
+)
+def test_bad_runs_fail_preflight(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(run_config(overrides))

@@ -1,0 +1,208 @@
+"""Typed configuration: one dataclass per config group option, registered with Hydra.
+
+Each YAML file under `conf/<group>/` extends the schema stored here for its option, so a
+wrong type or an unknown key is rejected by Hydra when the config is composed. Cross-field
+rules (mesh against cluster, batch against mesh) live in `training.preflight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
+AUTO = -1  # a mesh axis of this size takes all remaining devices
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one clear message before anything expensive starts."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+    # Extra layout rules, merged over the model's own (the same pattern replaces one), e.g.
+    # ++strategy.layout_rules={head/kernel:[null,model]} (`++` because it adds keys)
+    layout_rules: Dict[str, List[Optional[str]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in STRATEGIES,
+            f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}",
+        )
+
+
+@dataclass
+class MeshConfig:
+    data: int = AUTO
+    model: int = AUTO
+
+    def __post_init__(self) -> None:
+        for axis in ("data", "model"):
+            size = getattr(self, axis)
+            _require(
+                size == AUTO or size >= 1,
+                f"mesh.{axis}={size}: use a positive size, or -1 for all remaining devices",
+            )
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    d_model: int = 64
+    hidden: int = 256
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "hidden", "depth"):
+            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1")
+
+
+@dataclass
+class SyntheticDataConfig:
+    name: str = "synthetic"
+    features: int = 32
+    classes: int = 8
+    examples: int = 16384
+    seed: int = 1234  # seeds the task itself, so it stays fixed when trainer.seed changes
+
+    def __post_init__(self) -> None:
+        for key in ("features", "classes", "examples"):
+            _require(getattr(self, key) >= 1, f"data.{key} must be >= 1")
+
+
+@dataclass
+class AdamConfig:
+    name: str = "adam"
+    learning_rate: float = 1e-3
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+
+    def __post_init__(self) -> None:
+        _require(self.learning_rate > 0, "optimizer.learning_rate must be > 0")
+
+
+@dataclass
+class SGDConfig:
+    name: str = "sgd"
+    learning_rate: float = 1e-2
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(self.learning_rate > 0, "optimizer.learning_rate must be > 0")
+
+
+@dataclass
+class LocalClusterConfig:
+    """A Ray instance started for this run; hosts are simulated by actors with CPU devices."""
+
+    name: str = "local"
+    hosts: int = 2
+    devices_per_host: int = 4
+    placement_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.hosts >= 1, "cluster.hosts must be >= 1")
+        _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+
+
+@dataclass
+class RayClusterConfig:
+    """An existing Ray cluster, reached by address; one host actor per node."""
+
+    name: str = "ray"
+    address: str = "auto"
+    hosts: int = 2
+    devices_per_host: int = 8
+    platform: str = "gpu"
+    placement_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(self.hosts >= 1, "cluster.hosts must be >= 1")
+        _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+        _require(self.platform in ("cpu", "gpu"), "cluster.platform must be 'cpu' or 'gpu'")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    global_batch: int = 64
+    seed: int = 0
+    log_interval: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "trainer.steps must be >= 1")
+        _require(self.global_batch >= 1, "trainer.global_batch must be >= 1")
+        _require(self.log_interval >= 1, "trainer.log_interval must be >= 1")
+
+
+@dataclass
+class FaultConfig:
+    # A host that reports no progress for this long is declared stuck; JAX's own heartbeat
+    # only catches dead processes, and Ray's timeouts are tens of minutes.
+    timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, "fault.timeout_s must be > 0")
+
+
+ModelConfig = MLPConfig
+DataConfig = SyntheticDataConfig
+OptimizerConfig = AdamConfig | SGDConfig
+ClusterConfig = LocalClusterConfig | RayClusterConfig
+
+
+@dataclass
+class RunConfig:
+    # Group options have their own schemas, so the root types them as Any; `to_run_config`
+    # turns every node into its option's dataclass.
+    strategy: StrategyConfig = MISSING
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    cluster: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+SCHEMAS = {
+    "strategy": {"strategy": StrategyConfig},
+    "mesh": {"mesh": MeshConfig},
+    "model": {"mlp": MLPConfig},
+    "data": {"synthetic": SyntheticDataConfig},
+    "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
+    "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
+    "trainer": {"trainer": TrainerConfig},
+}
+
+
+def register_configs() -> None:
+    """Store every schema as `schema/<group>/<name>`, for the YAML options to extend."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, options in SCHEMAS.items():
+        for name, schema in options.items():
+            store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """Resolve the composed config into plain dataclasses (the only form passed to actors)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    try:
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as error:  # omegaconf reports type errors with its own exception types
+        raise ConfigError(str(error)) from None
+    _require(isinstance(run, RunConfig), "the root config must extend run_schema")
+    return run

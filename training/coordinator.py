@@ -1,0 +1,281 @@
+"""The driver side of a run: place one actor per host, supervise them, write the results.
+
+The coordinator watches two things while hosts train: an actor that died or raised, and
+an actor that is alive but has reported nothing for `fault.timeout_s` (stuck in a
+collective, say). Either stops every host, since a JAX cluster cannot go on without one of
+its processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from training.config import ConfigError, RunConfig
+from training.host import HostActor, host_environment
+from training.metrics import MetricsLog, steady_examples_per_second, write_json
+from training.preflight import Plan
+from training.progress import ProgressDisplay
+
+POLL_SECONDS = 0.25
+
+
+class HostFailure(RuntimeError):
+    """A host died, raised, or stopped making progress; the run was stopped."""
+
+
+@contextmanager
+def ray_session(cluster):
+    """Use the caller's Ray connection if there is one, else start or join one for this run."""
+    if ray.is_initialized():
+        yield
+        return
+    if cluster.name == "local":
+        # address="local" starts a fresh instance instead of joining a stale one.
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, cluster.hosts),
+            include_dashboard=False,
+            logging_level="WARNING",
+        )
+    else:
+        ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@dataclass
+class HostGroup:
+    """One actor per host, gang-scheduled through a placement group."""
+
+    placement: object
+    actors: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls, cluster, plan: Plan) -> HostGroup:
+        platform = "cpu" if cluster.name == "local" else cluster.platform
+        bundle = {"CPU": 1.0}
+        if platform == "gpu":
+            bundle["GPU"] = float(plan.devices_per_host)
+        # On a real cluster each host is a node; locally every simulated host shares one.
+        strategy = "PACK" if cluster.name == "local" else "STRICT_SPREAD"
+        placement = placement_group([dict(bundle)] * plan.hosts, strategy=strategy)
+        group = cls(placement)
+        try:
+            ray.get(placement.ready(), timeout=cluster.placement_timeout_s)
+        except GetTimeoutError:
+            group.shutdown()
+            raise ConfigError(
+                f"the Ray cluster could not place {plan.hosts} hosts of {bundle} "
+                f"({strategy}) within cluster.placement_timeout_s="
+                f"{cluster.placement_timeout_s:g}s; it has {_cluster_inventory()}"
+            ) from None
+        env = host_environment(platform, plan.devices_per_host)
+        for host in range(plan.hosts):
+            actor = HostActor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=host
+                ),
+                runtime_env={"env_vars": env},
+                name=None,
+            ).remote(host, plan.hosts, platform)
+            group.actors.append(actor)
+        return group
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        remove_placement_group(self.placement)
+
+
+def _cluster_inventory() -> str:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    return f"{len(nodes)} node(s) with {resources} in total"
+
+
+class Watchdog:
+    """Last time each host showed progress; names a host silent for longer than the timeout."""
+
+    def __init__(self, hosts: int, timeout_s: float):
+        now = time.monotonic()
+        self.timeout_s = timeout_s
+        self.last_seen = [now] * hosts
+        self.last_step = [0] * hosts
+
+    def saw(self, host: int, step: int | None) -> None:
+        self.last_seen[host] = time.monotonic()
+        if step is not None:
+            self.last_step[host] = step
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for host, seen in enumerate(self.last_seen):
+            if now - seen > self.timeout_s:
+                raise HostFailure(
+                    f"host {host} has reported no progress for {now - seen:.0f}s (last step "
+                    f"{self.last_step[host]}; fault.timeout_s={self.timeout_s:g}); "
+                    "stopped all hosts"
+                )
+
+    def slowest_step(self) -> int:
+        return min(self.last_step)
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, plan: Plan, output_dir: Path, display: ProgressDisplay):
+        self.cfg, self.plan, self.output_dir, self.display = cfg, plan, output_dir, display
+        self.metrics = MetricsLog(plan.hosts, output_dir / "metrics.jsonl")
+        self.timings: dict[str, float] = {}
+        self.identities: list[dict] = []
+        self._started = time.perf_counter()
+
+    def run(self) -> dict:
+        """Train to the end and return the summary; on failure, write it and re-raise."""
+        try:
+            with ray_session(self.cfg.cluster):
+                self._mark("ray_ready")
+                results = self._run_host_group()
+            summary = self._summary("completed", results)
+        except BaseException as error:
+            self._write_summary(self._summary("failed", [], error))
+            raise
+        finally:
+            self.metrics.close()
+        self._write_summary(summary)
+        return summary
+
+    def _run_host_group(self) -> list[dict]:
+        group = HostGroup.start(self.cfg.cluster, self.plan)
+        inbox = Queue(actor_options={"num_cpus": 0})
+        try:
+            self._mark("hosts_placed")
+            self.identities = ray.get([a.identity.remote() for a in group.actors])
+            self._mark("actors_started")
+            coordinator = ray.get(group.actors[0].coordinator_address.remote())
+            init_timeout = self.cfg.fault.timeout_s
+            calls = {
+                actor.train.remote(self.cfg, self.plan.mesh, coordinator, inbox, init_timeout): host
+                for host, actor in enumerate(group.actors)
+            }
+            return self._supervise(calls, inbox)
+        finally:
+            group.shutdown()
+            inbox.shutdown()
+
+    def _supervise(self, calls: dict, inbox: Queue) -> list[dict]:
+        watchdog = Watchdog(self.plan.hosts, self.cfg.fault.timeout_s)
+        results: dict[int, dict] = {}
+        with self.display:
+            while len(results) < len(calls):
+                pending = [ref for ref, host in calls.items() if host not in results]
+                finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
+                for ref in finished:
+                    results[calls[ref]] = self._result_of(ref, calls[ref])
+                self._drain(inbox, watchdog)
+                for host in results:
+                    watchdog.saw(host, None)
+                watchdog.check()
+            self._drain(inbox, watchdog)
+        return [results[h] for h in range(len(calls))]
+
+    def _result_of(self, ref, host: int) -> dict:
+        try:
+            return ray.get(ref)
+        except RayTaskError as error:
+            cause = error.cause
+            (self.output_dir / f"host_{host}_error.txt").write_text(str(error))
+            raise HostFailure(
+                f"host {host} failed: {type(cause).__name__}: {cause} "
+                f"(traceback in {self.output_dir / f'host_{host}_error.txt'})"
+            ) from None
+        except RayActorError as error:
+            raise HostFailure(f"host {host} died: {error}") from None
+
+    def _drain(self, inbox: Queue, watchdog: Watchdog) -> None:
+        while True:
+            try:
+                events = inbox.get_nowait_batch(max(inbox.size(), 1))
+            except Empty:
+                return
+            for event in events:
+                self._handle(event, watchdog)
+
+    def _handle(self, event: dict, watchdog: Watchdog) -> None:
+        host, kind = event["host"], event["event"]
+        watchdog.saw(host, event.get("step"))
+        if kind == "joined" and host == 0:
+            self._mark("jax_cluster_joined")
+        elif kind == "ready" and host == 0:
+            self._mark("model_built")
+        elif kind == "step":
+            if "first_step" not in self.timings:
+                self._mark("first_step")
+            record = self.metrics.add(event)
+            if record is not None:
+                self.display.logged(record)
+        self.display.advance_to(watchdog.slowest_step())
+
+    def _mark(self, phase: str) -> None:
+        self.timings.setdefault(phase, time.perf_counter() - self._started)
+
+    def _summary(self, status: str, results: list[dict], error: BaseException | None = None):
+        cfg, plan, records = self.cfg, self.plan, self.metrics.records
+        summary = {
+            "status": status,
+            "strategy": cfg.strategy.name,
+            "mesh": plan.mesh.as_dict(),
+            "hosts": plan.hosts,
+            "devices_per_host": plan.devices_per_host,
+            "devices_total": plan.mesh.devices,
+            "steps": cfg.trainer.steps,
+            "global_batch": cfg.trainer.global_batch,
+            "loss_history": [r["loss"] for r in records],
+            "logged_steps": [r["step"] for r in records],
+            "final_loss": records[-1]["loss"] if records else None,
+            "per_host_final_loss": [r["final_loss"] for r in results],
+            "hosts_agree_on_loss": all(r["hosts_agree"] for r in records),
+            "examples_per_second": steady_examples_per_second(records) if records else None,
+            "wall_seconds": time.perf_counter() - self._started,
+            "phase_seconds": self.timings,
+            "host_identities": self.identities,
+            "config": asdict(cfg),
+        }
+        if results:
+            summary.update(_layout_summary(results[0]))
+        if error is not None:
+            summary["error"] = f"{type(error).__name__}: {error}"
+            summary["traceback"] = traceback.format_exception(error)
+        return summary
+
+    def _write_summary(self, summary: dict) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json(self.output_dir / "summary.json", summary)
+
+
+def _layout_summary(result: dict) -> dict:
+    variables = result["variables"]
+    return {
+        "variable_shardings": {path: v["spec"] for path, v in variables.items()},
+        "variables": variables,
+        "parameter_bytes_total": sum(v["bytes"] for v in variables.values()),
+        "parameter_bytes_per_device": sum(v["shard_bytes"] for v in variables.values()),
+        "mesh_devices": result["mesh_devices"],
+        "device_hosts": result["device_hosts"],
+        "model_groups_within_hosts": result["model_groups_within_hosts"],
+    }

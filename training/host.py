@@ -1,0 +1,75 @@
+"""The Ray actor that is one host of the JAX cluster.
+
+The actor's environment (device count, platform, backend) is set through Ray's
+`runtime_env`, so it is in place before the worker process imports jax or keras.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import ray
+
+from training.config import RunConfig
+from training.strategy import MeshShape
+
+
+def host_environment(platform: str, devices_per_host: int) -> dict[str, str]:
+    env = {"KERAS_BACKEND": "jax"}
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_host}"
+    return env
+
+
+@ray.remote
+class HostActor:
+    def __init__(self, host_index: int, num_hosts: int, platform: str):
+        self.host_index = host_index
+        self.num_hosts = num_hosts
+        self.platform = platform
+
+    def identity(self) -> dict:
+        context = ray.get_runtime_context()
+        return {
+            "host": self.host_index,
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def coordinator_address(self) -> str:
+        """An address for the `jax.distributed` coordinator on this host, port chosen now."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def train(
+        self, cfg: RunConfig, mesh: MeshShape, coordinator: str, inbox, init_timeout_s: float
+    ) -> dict:
+        from training.trainer import train
+
+        def report(event: dict) -> None:
+            inbox.put({**event, "host": self.host_index, "time": time.time()})
+
+        started = time.perf_counter()
+        self._join_jax_cluster(coordinator, init_timeout_s)
+        report({"event": "joined", "seconds": time.perf_counter() - started})
+        return {"host": self.host_index, **train(cfg, mesh, report)}
+
+    def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
+        import jax
+
+        if self.platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Must precede any use of devices: once the backend exists, initialize forms no cluster.
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=self.num_hosts,
+            process_id=self.host_index,
+            initialization_timeout=int(timeout_s),
+        )

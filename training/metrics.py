@@ -1,0 +1,75 @@
+"""Hosts' reports -> one record per logged step (metrics.jsonl) and the run's summary.json."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+# Hosts compute the loss from the same global arrays, so they agree up to float noise.
+LOSS_AGREEMENT_RTOL = 1e-5
+
+
+class MetricsLog:
+    """Joins the hosts' reports of each logged step and appends the joined record to a file."""
+
+    def __init__(self, hosts: int, path: Path):
+        self.hosts = hosts
+        self.path = path
+        self.records: list[dict] = []
+        self._pending: dict[int, dict[int, dict]] = defaultdict(dict)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def add(self, report: dict) -> dict | None:
+        """Take one host's report of a step; return the joined record once all hosts sent it."""
+        step = report["step"]
+        self._pending[step][report["host"]] = report
+        if len(self._pending[step]) < self.hosts:
+            return None
+        by_host = self._pending.pop(step)
+        record = join_host_reports([by_host[h] for h in range(self.hosts)])
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def join_host_reports(reports: list[dict]) -> dict:
+    losses = [r["loss"] for r in reports]
+    step_seconds = [r["seconds"] / r["steps"] for r in reports]
+    interval_seconds = max(r["seconds"] for r in reports)
+    examples = sum(r["examples"] for r in reports)
+    return {
+        "step": reports[0]["step"],
+        "loss": sum(losses) / len(losses),
+        "per_host_loss": losses,
+        "hosts_agree": _agree(losses),
+        "examples_per_second": examples / interval_seconds,
+        "per_host_step_seconds": step_seconds,
+        "slowest_host": max(range(len(reports)), key=step_seconds.__getitem__),
+        "interval_examples": examples,
+        "interval_seconds": interval_seconds,
+    }
+
+
+def _agree(values: list[float]) -> bool:
+    low, high = min(values), max(values)
+    return high - low <= LOSS_AGREEMENT_RTOL * max(abs(high), abs(low), 1e-12)
+
+
+def steady_examples_per_second(records: list[dict]) -> float | None:
+    """Throughput after the first logged interval, which also pays for compilation."""
+    steady = records[1:] or records
+    seconds = sum(r["interval_seconds"] for r in steady)
+    return sum(r["interval_examples"] for r in steady) / seconds if seconds else None
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write through a temporary file so a reader never sees half a summary."""
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    partial.replace(path)

@@ -1,0 +1,31 @@
+"""A residual MLP classifier whose blocks split Megatron-style over the `model` axis.
+
+Each block is up (d_model -> hidden) then down (hidden -> d_model). Splitting `up` by
+columns and `down` by rows keeps the hidden activation sharded between them, so a block
+needs one all-reduce in the forward pass, after `down`.
+"""
+
+from __future__ import annotations
+
+import keras
+
+LAYOUT_RULES = {
+    r"block_\d+_up/kernel": (None, "model"),
+    r"block_\d+_up/bias": ("model",),
+    r"block_\d+_down/kernel": ("model", None),
+}
+
+
+def loss() -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build(cfg, data_spec) -> keras.Model:
+    inputs = keras.Input(shape=data_spec.feature_shape, name="features")
+    h = keras.layers.Dense(cfg.d_model, name="input_proj")(inputs)
+    for i in range(cfg.depth):
+        u = keras.layers.Dense(cfg.hidden, activation="gelu", name=f"block_{i}_up")(h)
+        h = h + keras.layers.Dense(cfg.d_model, name=f"block_{i}_down")(u)
+        h = keras.layers.LayerNormalization(name=f"block_{i}_norm")(h)
+    logits = keras.layers.Dense(data_spec.num_classes, name="head")(h)
+    return keras.Model(inputs, logits, name="mlp")

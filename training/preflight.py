@@ -1,0 +1,80 @@
+"""Checks run on the driver before any actor starts: bad input fails here, cheaply and clearly."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from training import models
+from training.config import ConfigError, RunConfig
+from training.data import DataSpec, build_dataset
+from training.models import LayoutRules, VariableInfo
+from training.strategy import MeshShape, resolve_mesh
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What preflight settled: the mesh to build and the variables the model will have."""
+
+    mesh: MeshShape
+    hosts: int
+    devices_per_host: int
+    data_spec: DataSpec
+    variables: tuple[VariableInfo, ...]
+
+
+def preflight(cfg: RunConfig) -> Plan:
+    hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
+    mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
+    check_global_batch(cfg.trainer.global_batch, mesh, hosts)
+    data_spec = build_dataset(cfg.data).spec
+    variables = models.abstract_variables(cfg.model, data_spec)
+    if cfg.strategy.name != "data_parallel":
+        check_layout_rules(
+            models.layout_rules(cfg.model, cfg.strategy.layout_rules), variables, mesh
+        )
+    return Plan(mesh, hosts, per_host, data_spec, tuple(variables))
+
+
+def check_global_batch(global_batch: int, mesh: MeshShape, hosts: int) -> None:
+    for divisor, what in ((mesh.data, "the data axis size mesh.data"), (hosts, "the host count")):
+        if global_batch % divisor:
+            raise ConfigError(
+                f"trainer.global_batch={global_batch} is not divisible by {what} ({divisor})"
+            )
+
+
+def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: MeshShape) -> None:
+    """Every rule must match a variable, fit its rank and split its dimensions evenly."""
+    axis_sizes = {"data": mesh.data, "model": mesh.model, None: 1}
+    listing = "\n  ".join(f"{v.path} {list(v.shape)}" for v in variables)
+    for pattern, axes in rules.items():
+        matched = [v for v in variables if re.fullmatch(pattern, v.path)]
+        if not matched:
+            raise ConfigError(
+                f"layout rule {pattern!r} matches no variable of the model (rules are "
+                f"full-match regexes on variable paths). The model's variables:\n  {listing}"
+            )
+        for variable in matched:
+            _check_split(pattern, axes, variable, axis_sizes)
+    for variable in variables:
+        hits = [p for p in rules if re.fullmatch(p, variable.path)]
+        if len(hits) > 1:
+            raise ConfigError(f"variable {variable.path} matches several layout rules: {hits}")
+
+
+def _check_split(pattern: str, axes: tuple, variable: VariableInfo, axis_sizes: dict) -> None:
+    if len(axes) != len(variable.shape):
+        raise ConfigError(
+            f"layout rule {pattern!r} gives {len(axes)} axes {axes} for {variable.path}, "
+            f"which has {len(variable.shape)} dimensions {list(variable.shape)}"
+        )
+    for dim, (size, axis) in enumerate(zip(variable.shape, axes, strict=True)):
+        if axis not in axis_sizes:
+            raise ConfigError(f"layout rule {pattern!r} names unknown mesh axis {axis!r}")
+        if size % axis_sizes[axis]:
+            raise ConfigError(
+                f"layout rule {pattern!r} splits dimension {dim} of {variable.path} "
+                f"(size {size}, shape {list(variable.shape)}) over mesh.{axis}="
+                f"{axis_sizes[axis]}, which does not divide it"
+            )

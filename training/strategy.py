@@ -1,0 +1,106 @@
+"""Strategy + mesh -> a Keras distribution over a host-major device mesh.
+
+Devices are ordered host by host, so a row of the (data, model) grid — one model group —
+lies inside one host whenever `mesh.model` divides the devices per host: the `model`
+axis's frequent collectives stay on fast intra-host links and only the data axis crosses
+hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from training.config import AUTO, ConfigError, MeshConfig
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    data: int
+    model: int
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.model
+
+    def as_dict(self) -> dict[str, int]:
+        return {"data": self.data, "model": self.model}
+
+
+def resolve_mesh(strategy: str, mesh: MeshConfig, hosts: int, devices_per_host: int) -> MeshShape:
+    """Fill in auto (-1) axes and check the mesh covers exactly the cluster's devices."""
+    total = hosts * devices_per_host
+    data, model = mesh.data, mesh.model
+    if strategy == "data_parallel":
+        model = 1 if model == AUTO else model
+        if model != 1:
+            raise ConfigError(
+                f"strategy=data_parallel replicates the model, so mesh.model must be 1 "
+                f"(got {model}); use strategy=hybrid to also split the model"
+            )
+    elif strategy == "model_parallel":
+        data = 1 if data == AUTO else data
+        if data != 1:
+            raise ConfigError(
+                f"strategy=model_parallel uses no data axis, so mesh.data must be 1 "
+                f"(got {data}); use strategy=hybrid to also replicate the model"
+            )
+    elif model == AUTO and data == AUTO:
+        model = devices_per_host  # hybrid: the model over each host, replicated across hosts
+    if data == AUTO:
+        data = _remaining(total, model, "model", hosts, devices_per_host)
+    if model == AUTO:
+        model = _remaining(total, data, "data", hosts, devices_per_host)
+    if data * model != total:
+        raise ConfigError(
+            f"mesh.data × mesh.model = {data} × {model} = {data * model} devices, but the "
+            f"cluster provides {total} ({hosts} hosts × {devices_per_host} devices)"
+        )
+    return MeshShape(data=data, model=model)
+
+
+def _remaining(total: int, fixed: int, fixed_axis: str, hosts: int, per_host: int) -> int:
+    if total % fixed:
+        raise ConfigError(
+            f"mesh.{fixed_axis}={fixed} does not divide the cluster's {total} devices "
+            f"({hosts} hosts × {per_host} devices)"
+        )
+    return total // fixed
+
+
+def device_grid(devices: list, shape: MeshShape) -> np.ndarray:
+    """The (data, model) grid of devices, host-major so model groups stay inside hosts."""
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return np.array(ordered, dtype=object).reshape(shape.data, shape.model)
+
+
+def model_groups_within_hosts(grid: np.ndarray) -> bool:
+    return all(len({d.process_index for d in row}) == 1 for row in grid)
+
+
+def host_batch_rows(grid: np.ndarray, process_index: int, global_batch: int) -> slice:
+    """The rows of each global batch that this process's devices hold.
+
+    A process feeds the data shards of every grid row it has devices in; with data=1
+    (pure model parallel) that is the whole batch on every host.
+    """
+    rows = [i for i, row in enumerate(grid) if any(d.process_index == process_index for d in row)]
+    if rows != list(range(rows[0], rows[-1] + 1)):
+        raise ValueError(f"process {process_index} holds non-contiguous data shards {rows}")
+    per_shard = global_batch // grid.shape[0]
+    return slice(rows[0] * per_shard, (rows[-1] + 1) * per_shard)
+
+
+def build_distribution(strategy: str, grid: np.ndarray, layout_rules: dict):
+    """The Keras distribution; hosts feed their own rows, so Keras must not shard input."""
+    from keras import distribution as kd
+
+    if strategy == "data_parallel":
+        mesh = kd.DeviceMesh((grid.size,), ["data"], devices=grid.reshape(-1))
+        return kd.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
+    mesh = kd.DeviceMesh(grid.shape, ["data", "model"], devices=grid)
+    layout_map = kd.LayoutMap(mesh)
+    for pattern, axes in layout_rules.items():
+        layout_map[pattern] = tuple(axes)
+    return kd.ModelParallel(layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=False)
