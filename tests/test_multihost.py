@@ -39,6 +39,9 @@ def assert_hosts_agree(summary: dict) -> None:
     first, second = summary["per_host_final_loss"]
     assert first == pytest.approx(second, rel=1e-6)
     assert summary["final_loss"] == pytest.approx(first, rel=1e-6)
+    assert len(summary["per_host_step_seconds"]) == 2
+    assert all(seconds > 0 for seconds in summary["per_host_step_seconds"])
+    assert summary["examples_per_second"] > 0
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from training.config import ConfigError, RunConfig
+from training.config import ClusterConfig, ConfigError, RunConfig
 from training.host import HostActor, host_environment
-from training.metrics import MetricsLog, steady_examples_per_second, write_json
+from training.metrics import (
+    MetricsLog,
+    per_host_step_seconds,
+    steady_examples_per_second,
+    write_json,
+)
 from training.preflight import Plan
 from training.progress import ProgressDisplay
 
@@ -35,7 +40,7 @@ class HostFailure(RuntimeError):
 
 
 @contextmanager
-def ray_session(cluster):
+def ray_session(cluster: ClusterConfig):
     """Use the caller's Ray connection if there is one, else start or join one for this run."""
     if ray.is_initialized():
         yield
@@ -64,7 +69,7 @@ class HostGroup:
     actors: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, cluster, plan: Plan) -> HostGroup:
+    def start(cls, cluster: ClusterConfig, plan: Plan) -> HostGroup:
         platform = "cpu" if cluster.name == "local" else cluster.platform
         bundle = {"CPU": 1.0}
         if platform == "gpu":
@@ -251,6 +256,7 @@ class Coordinator:
             "per_host_final_loss": [r["final_loss"] for r in results],
             "hosts_agree_on_loss": all(r["hosts_agree"] for r in records),
             "examples_per_second": steady_examples_per_second(records) if records else None,
+            "per_host_step_seconds": per_host_step_seconds(records) if records else None,
             "wall_seconds": time.perf_counter() - self._started,
             "phase_seconds": self.timings,
             "host_identities": self.identities,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from training.config import DataConfig
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -21,7 +23,7 @@ class DataSpec:
 class SyntheticClassification:
     """Gaussian features labelled by a fixed random two-layer teacher network."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: DataConfig):
         rng = np.random.default_rng(cfg.seed)
         self.features = rng.standard_normal((cfg.examples, cfg.features), dtype=np.float32)
         teacher_hidden = rng.standard_normal((cfg.features, 4 * cfg.classes)) / np.sqrt(
@@ -46,5 +48,5 @@ class SyntheticClassification:
 DATASETS = {"synthetic": SyntheticClassification}
 
 
-def build_dataset(data_cfg) -> SyntheticClassification:
+def build_dataset(data_cfg: DataConfig) -> SyntheticClassification:
     return DATASETS[data_cfg.name](data_cfg)

@@ -7,7 +7,9 @@ The actor's environment (device count, platform, backend) is set through Ray's
 from __future__ import annotations
 
 import os
+import re
 import socket
+import threading
 import time
 
 import ray
@@ -65,6 +67,7 @@ class HostActor:
         import jax
 
         if self.platform == "cpu":
+            _drop_gloo_chatter()
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # Must precede any use of devices: once the backend exists, initialize forms no cluster.
         jax.distributed.initialize(
@@ -73,3 +76,25 @@ class HostActor:
             process_id=self.host_index,
             initialization_timeout=int(timeout_s),
         )
+
+
+# Gloo prints a line from C++ for every communicator it connects, straight to stdout, with
+# no setting to stop it; threads interleave those lines, so match the fragments too.
+GLOO_CHATTER = re.compile(rb"\[Gloo\]|connected to \d+ peer ranks|Expected number of connected")
+
+
+def _drop_gloo_chatter() -> None:
+    """Pass this process's stdout through a filter that drops Gloo's connection lines, so the
+    driver's terminal shows what the hosts really print and not dozens of those."""
+    read_end, write_end = os.pipe()
+    destination = os.dup(1)
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as source:
+            for line in source:
+                if not GLOO_CHATTER.search(line):
+                    os.write(destination, line)
+
+    threading.Thread(target=pump, name="stdout-filter", daemon=True).start()

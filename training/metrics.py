@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,11 +62,20 @@ def _agree(values: list[float]) -> bool:
     return high - low <= LOSS_AGREEMENT_RTOL * max(abs(high), abs(low), 1e-12)
 
 
+def _steady(records: list[dict]) -> list[dict]:
+    """The records after the first logged interval, which also pays for compilation."""
+    return records[1:] or records
+
+
 def steady_examples_per_second(records: list[dict]) -> float | None:
-    """Throughput after the first logged interval, which also pays for compilation."""
-    steady = records[1:] or records
-    seconds = sum(r["interval_seconds"] for r in steady)
-    return sum(r["interval_examples"] for r in steady) / seconds if seconds else None
+    seconds = sum(r["interval_seconds"] for r in _steady(records))
+    return sum(r["interval_examples"] for r in _steady(records)) / seconds if seconds else None
+
+
+def per_host_step_seconds(records: list[dict]) -> list[float]:
+    """Each host's median step time over the steady records."""
+    per_host = zip(*(r["per_host_step_seconds"] for r in _steady(records)), strict=True)
+    return [statistics.median(times) for times in per_host]
 
 
 def write_json(path: Path, payload: dict) -> None:

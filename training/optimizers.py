@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import keras
 
+from training.config import OptimizerConfig
 
-def build_optimizer(cfg) -> keras.optimizers.Optimizer:
+
+def build_optimizer(cfg: OptimizerConfig) -> keras.optimizers.Optimizer:
     if cfg.name == "adam":
         return keras.optimizers.Adam(cfg.learning_rate, beta_1=cfg.beta_1, beta_2=cfg.beta_2)
     if cfg.name == "sgd":

@@ -62,6 +62,3 @@ class ProgressDisplay:
                 f"examples/s {speed}  slowest host {slowest}",
                 highlight=False,
             )
-
-    def note(self, message: str) -> None:
-        self.console.print(message, highlight=False)

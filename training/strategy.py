@@ -28,30 +28,31 @@ class MeshShape:
         return {"data": self.data, "model": self.model}
 
 
+# Strategies that use one mesh axis: the axis they leave at 1, why, and what hybrid adds.
+SINGLE_AXIS = {
+    "data_parallel": ("model", "replicates the model", "also split the model"),
+    "model_parallel": ("data", "uses no data axis", "also replicate the model"),
+}
+
+
 def resolve_mesh(strategy: str, mesh: MeshConfig, hosts: int, devices_per_host: int) -> MeshShape:
     """Fill in auto (-1) axes and check the mesh covers exactly the cluster's devices."""
     total = hosts * devices_per_host
-    data, model = mesh.data, mesh.model
-    if strategy == "data_parallel":
-        model = 1 if model == AUTO else model
-        if model != 1:
+    sizes = {"data": mesh.data, "model": mesh.model}
+    if strategy in SINGLE_AXIS:
+        axis, why, hybrid_adds = SINGLE_AXIS[strategy]
+        sizes[axis] = 1 if sizes[axis] == AUTO else sizes[axis]
+        if sizes[axis] != 1:
             raise ConfigError(
-                f"strategy=data_parallel replicates the model, so mesh.model must be 1 "
-                f"(got {model}); use strategy=hybrid to also split the model"
+                f"strategy={strategy} {why}, so mesh.{axis} must be 1 (got {sizes[axis]}); "
+                f"use strategy=hybrid to {hybrid_adds}"
             )
-    elif strategy == "model_parallel":
-        data = 1 if data == AUTO else data
-        if data != 1:
-            raise ConfigError(
-                f"strategy=model_parallel uses no data axis, so mesh.data must be 1 "
-                f"(got {data}); use strategy=hybrid to also replicate the model"
-            )
-    elif model == AUTO and data == AUTO:
-        model = devices_per_host  # hybrid: the model over each host, replicated across hosts
-    if data == AUTO:
-        data = _remaining(total, model, "model", hosts, devices_per_host)
-    if model == AUTO:
-        model = _remaining(total, data, "data", hosts, devices_per_host)
+    elif sizes["data"] == sizes["model"] == AUTO:
+        sizes["model"] = devices_per_host  # hybrid: the model over each host, replicated across
+    for axis, other in (("data", "model"), ("model", "data")):
+        if sizes[axis] == AUTO:
+            sizes[axis] = _remaining(total, sizes[other], other, hosts, devices_per_host)
+    data, model = sizes["data"], sizes["model"]
     if data * model != total:
         raise ConfigError(
             f"mesh.data × mesh.model = {data} × {model} = {data * model} devices, but the "

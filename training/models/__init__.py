@@ -7,6 +7,7 @@ from types import ModuleType
 
 import keras
 
+from training.config import ModelConfig
 from training.data import DataSpec
 from training.models import mlp
 
@@ -24,26 +25,26 @@ class VariableInfo:
     dtype: str
 
 
-def _module(model_cfg) -> ModuleType:
+def _module(model_cfg: ModelConfig) -> ModuleType:
     return MODELS[model_cfg.name]
 
 
-def build_model(model_cfg, data_spec: DataSpec) -> keras.Model:
+def build_model(model_cfg: ModelConfig, data_spec: DataSpec) -> keras.Model:
     return _module(model_cfg).build(model_cfg, data_spec)
 
 
-def layout_rules(model_cfg, extra: dict | None = None) -> LayoutRules:
+def layout_rules(model_cfg: ModelConfig, extra: dict | None = None) -> LayoutRules:
     """The model's own rules, with `extra` (from `strategy.layout_rules`) merged over them."""
     rules = dict(_module(model_cfg).LAYOUT_RULES)
     rules.update({pattern: tuple(axes) for pattern, axes in (extra or {}).items()})
     return rules
 
 
-def loss(model_cfg) -> keras.losses.Loss:
+def loss(model_cfg: ModelConfig) -> keras.losses.Loss:
     return _module(model_cfg).loss()
 
 
-def abstract_variables(model_cfg, data_spec: DataSpec) -> list[VariableInfo]:
+def abstract_variables(model_cfg: ModelConfig, data_spec: DataSpec) -> list[VariableInfo]:
     """Variable paths and shapes without allocating any weights."""
     with keras.StatelessScope():
         model = build_model(model_cfg, data_spec)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import keras
 
+from training.config import MLPConfig
+from training.data import DataSpec
+
 LAYOUT_RULES = {
     r"block_\d+_up/kernel": (None, "model"),
     r"block_\d+_up/bias": ("model",),
@@ -20,7 +23,7 @@ def loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def build(cfg, data_spec) -> keras.Model:
+def build(cfg: MLPConfig, data_spec: DataSpec) -> keras.Model:
     inputs = keras.Input(shape=data_spec.feature_shape, name="features")
     h = keras.layers.Dense(cfg.d_model, name="input_proj")(inputs)
     for i in range(cfg.depth):
