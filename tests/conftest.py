@@ -1,6 +1,7 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
 import os
+import time
 
 # Before anything imports jax: this process gets 8 CPU devices for in-process tests.
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -40,7 +41,18 @@ def ray_cluster():
     ray.shutdown()
 
 
-def alive_actors() -> list:
+def alive_actors(class_name: str | None = None) -> list:
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("state", "=", "ALIVE")])
+    filters = [("state", "=", "ALIVE")]
+    if class_name:
+        filters.append(("class_name", "=", class_name))
+    return list_actors(filters=filters)
+
+
+def assert_no_actor_left(within_s: float = 10.0) -> None:
+    """Killing an actor is asynchronous in Ray: allow its death to reach the state API."""
+    deadline = time.monotonic() + within_s
+    while (left := alive_actors()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"actors still alive: {[a.class_name for a in left]}"

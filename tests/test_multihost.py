@@ -1,14 +1,18 @@
 """Real multi-host runs: 2 Ray actors × 4 CPU devices forming one 8-device JAX cluster."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, alive_actors, run_config
+from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from training.config import ConfigError
 from training.coordinator import HostFailure
 from training.run import run_training
@@ -65,7 +69,7 @@ def test_sharded_strategies_shard_the_live_arrays(
     assert summary["parameter_bytes_per_device"] < summary["parameter_bytes_total"]
     assert summary["model_groups_within_hosts"] is (mesh["model"] <= 4)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
-    assert not alive_actors()
+    assert_no_actor_left()
 
 
 def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path):
@@ -85,7 +89,7 @@ def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path):
     expected = json.loads(reference.stdout.strip().splitlines()[-1])
     assert len(expected) == len(summary["loss_history"]) == 6
     np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
-    assert not alive_actors()
+    assert_no_actor_left()
 
 
 @pytest.mark.parametrize(
@@ -115,7 +119,7 @@ def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path):
 def test_bad_input_fails_before_any_actor_starts(ray_cluster, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         run_training(run_config(FAST + overrides), tmp_path)
-    assert not alive_actors()
+    assert_no_actor_left()
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -123,12 +127,53 @@ def test_more_hosts_than_the_cluster_can_place_fails_within_the_timeout(ray_clus
     overrides = ["cluster.hosts=8", "cluster.devices_per_host=1", "cluster.placement_timeout_s=2"]
     with pytest.raises(ConfigError, match="could not place 8 hosts"):
         run_training(run_config(FAST + overrides), tmp_path)
-    assert not alive_actors()
+    assert_no_actor_left()
 
 
-def test_a_host_that_stops_reporting_stops_the_run(ray_cluster, tmp_path):
-    with pytest.raises(HostFailure, match="reported no progress"):
-        run_training(run_config(FAST + ["fault.timeout_s=0.5"]), tmp_path)
-    assert not alive_actors()
+def signal_a_host_once_training(output_dir: Path, signum: int) -> threading.Thread:
+    """Once the first logged step is written, send `signum` to one host actor's process."""
+
+    def act() -> None:
+        deadline = time.monotonic() + 240
+        metrics = output_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().strip():
+                os.kill(alive_actors("HostActor")[-1].pid, signum)
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    return thread
+
+
+LONG_RUN = ["trainer.steps=2000", "trainer.log_interval=1"]
+
+
+def test_a_host_that_dies_stops_the_run_and_keeps_what_was_logged(ray_cluster, tmp_path):
+    signal_a_host_once_training(tmp_path, signal.SIGKILL)
+    with pytest.raises(HostFailure, match=r"host [01] died"):
+        run_training(run_config(FAST + LONG_RUN), tmp_path)
+    assert_no_actor_left()
     failed = json.loads((tmp_path / "summary.json").read_text())
-    assert failed["status"] == "failed" and "reported no progress" in failed["error"]
+    assert failed["status"] == "failed" and "died" in failed["error"]
+    assert failed["loss_history"]  # the steps logged before the failure are kept
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == len(failed["loss_history"])
+
+
+def test_a_frozen_host_is_caught_by_the_progress_timeout(ray_cluster, tmp_path):
+    """SIGSTOP leaves the process alive, so neither Ray nor JAX's heartbeat notices it."""
+    signal_a_host_once_training(tmp_path, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(HostFailure, match="no progress reported by host"):
+        run_training(run_config(FAST + LONG_RUN + ["fault.timeout_s=10"]), tmp_path)
+    assert time.monotonic() - started < 120
+    assert_no_actor_left()
+    failed = json.loads((tmp_path / "summary.json").read_text())
+    assert failed["status"] == "failed" and "fault.timeout_s=10" in failed["error"]
+
+
+def test_a_host_silent_during_setup_is_caught_too(ray_cluster, tmp_path):
+    with pytest.raises(HostFailure, match="no progress reported by host 0"):
+        run_training(run_config(FAST + ["fault.timeout_s=0.5"]), tmp_path)
+    assert_no_actor_left()

@@ -33,6 +33,18 @@ from training.preflight import Plan
 from training.progress import ProgressDisplay
 
 POLL_SECONDS = 0.25
+FAILURE_GRACE_SECONDS = 5.0
+
+
+def _failed(ref) -> Exception | None:
+    """The error of a finished host call, or None if it returned."""
+    try:
+        ray.get(ref, timeout=0)
+    except (RayTaskError, RayActorError) as error:
+        return error
+    except GetTimeoutError:
+        pass
+    return None
 
 
 class HostFailure(RuntimeError):
@@ -129,14 +141,19 @@ class Watchdog:
             self.last_step[host] = step
 
     def check(self) -> None:
+        """Raise if a host is silent; name every silent host, since a stuck host soon
+        blocks the others inside a collective."""
         now = time.monotonic()
-        for host, seen in enumerate(self.last_seen):
-            if now - seen > self.timeout_s:
-                raise HostFailure(
-                    f"host {host} has reported no progress for {now - seen:.0f}s (last step "
-                    f"{self.last_step[host]}; fault.timeout_s={self.timeout_s:g}); "
-                    "stopped all hosts"
-                )
+        silent = [h for h, seen in enumerate(self.last_seen) if now - seen > self.timeout_s]
+        if silent:
+            details = ", ".join(
+                f"host {h} for {now - self.last_seen[h]:.0f}s (last step {self.last_step[h]})"
+                for h in silent
+            )
+            raise HostFailure(
+                f"no progress reported by {details}; fault.timeout_s={self.timeout_s:g}; "
+                "stopped all hosts"
+            )
 
     def slowest_step(self) -> int:
         return min(self.last_step)
@@ -190,8 +207,9 @@ class Coordinator:
             while len(results) < len(calls):
                 pending = [ref for ref, host in calls.items() if host not in results]
                 finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
-                for ref in finished:
-                    results[calls[ref]] = self._result_of(ref, calls[ref])
+                if any(_failed(ref) for ref in finished):
+                    self._report_failures(calls, pending)
+                results.update({calls[ref]: ray.get(ref) for ref in finished})
                 self._drain(inbox, watchdog)
                 for host in results:
                     watchdog.saw(host, None)
@@ -199,18 +217,23 @@ class Coordinator:
             self._drain(inbox, watchdog)
         return [results[h] for h in range(len(calls))]
 
-    def _result_of(self, ref, host: int) -> dict:
-        try:
-            return ray.get(ref)
-        except RayTaskError as error:
-            cause = error.cause
-            (self.output_dir / f"host_{host}_error.txt").write_text(str(error))
-            raise HostFailure(
-                f"host {host} failed: {type(cause).__name__}: {cause} "
-                f"(traceback in {self.output_dir / f'host_{host}_error.txt'})"
-            ) from None
-        except RayActorError as error:
-            raise HostFailure(f"host {host} died: {error}") from None
+    def _report_failures(self, calls: dict, pending: list) -> None:
+        """Raise one HostFailure naming the root cause first.
+
+        When a host dies, its peers fail moments later inside a collective; wait briefly for
+        those so that the death, not the peers' connection errors, leads the message."""
+        ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
+        failures = [(calls[ref], error) for ref in pending if (error := _failed(ref))]
+        failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
+        raise HostFailure("; then ".join(self._describe(h, e) for h, e in failures))
+
+    def _describe(self, host: int, error: Exception) -> str:
+        if isinstance(error, RayActorError):
+            return f"host {host} died ({str(error).splitlines()[0]})"
+        log = self.output_dir / f"host_{host}_error.txt"
+        log.write_text(str(error))
+        cause = error.cause
+        return f"host {host} failed: {type(cause).__name__}: {cause} (traceback in {log})"
 
     def _drain(self, inbox: Queue, watchdog: Watchdog) -> None:
         while True:

@@ -52,6 +52,12 @@ class ProgressDisplay:
     def logged(self, record: dict) -> None:
         loss, speed = f"{record['loss']:.4f}", f"{record['examples_per_second']:,.0f}"
         slowest = record["slowest_host"]
+        if not record["hosts_agree"]:
+            self.console.print(
+                f"warning: hosts disagree on the loss at step {record['step']}: "
+                f"{record['per_host_loss']}",
+                highlight=False,
+            )
         if self._bar is not None:
             self._bar.update(
                 self._task, completed=record["step"], loss=loss, speed=speed, slowest=slowest

@@ -75,11 +75,15 @@ def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         run_training(cfg, output_dir)
     except (ConfigError, HostFailure) as error:
-        Console(stderr=True).print(f"error: {error}", highlight=False, soft_wrap=True)
+        errors.print(f"error: {error}")
         sys.exit(2)
+    except KeyboardInterrupt:
+        errors.print(f"interrupted: hosts stopped; what was logged is in {output_dir}")
+        sys.exit(130)
 
 
 if __name__ == "__main__":
