@@ -22,6 +22,7 @@ from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config import ClusterConfig, ConfigError, RunConfig
+from training.display import ProgressDisplay
 from training.host import HostActor, host_environment
 from training.metrics import (
     MetricsLog,
@@ -30,7 +31,6 @@ from training.metrics import (
     write_json,
 )
 from training.preflight import Plan
-from training.progress import ProgressDisplay
 
 POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
@@ -108,7 +108,6 @@ class HostGroup:
                     placement, placement_group_bundle_index=host
                 ),
                 runtime_env={"env_vars": env},
-                name=None,
             ).remote(host, plan.hosts, platform)
             group.actors.append(actor)
         return group
@@ -249,8 +248,12 @@ class Coordinator:
         watchdog.saw(host, event.get("step"))
         if kind == "joined" and host == 0:
             self._mark("jax_cluster_joined")
-        elif kind == "ready" and host == 0:
-            self._mark("model_built")
+        elif kind == "ready":
+            self.identities[host].update(
+                {key: event[key] for key in ("rows", "local_devices", "setup_seconds")}
+            )
+            if host == 0:
+                self._mark("model_built")
         elif kind == "step":
             if "first_step" not in self.timings:
                 self._mark("first_step")

@@ -74,7 +74,7 @@ class HostActor:
             coordinator_address=coordinator,
             num_processes=self.num_hosts,
             process_id=self.host_index,
-            initialization_timeout=int(timeout_s),
+            initialization_timeout=max(1, int(timeout_s)),
         )
 
 

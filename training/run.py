@@ -23,8 +23,8 @@ from rich.console import Console  # noqa: E402
 
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.coordinator import Coordinator, HostFailure  # noqa: E402
+from training.display import ProgressDisplay, print_summary  # noqa: E402
 from training.preflight import preflight  # noqa: E402
-from training.progress import ProgressDisplay  # noqa: E402
 
 register_configs()
 
@@ -39,37 +39,6 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     print_summary(summary, console)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
-
-
-def print_summary(summary: dict, console: Console) -> None:
-    mesh = summary["mesh"]
-    within = "yes" if summary["model_groups_within_hosts"] else "no: model groups span hosts"
-    lines = [
-        f"{summary['strategy']} on mesh data × model = {mesh['data']} × {mesh['model']} "
-        f"({summary['hosts']} hosts × {summary['devices_per_host']} devices; "
-        f"model axis inside hosts: {within})",
-    ]
-    for host, (rows, devices) in sorted(_devices_by_host(summary).items()):
-        lines.append(f"  host {host}: data rows {rows}, devices {devices}")
-    lines.append(
-        f"final loss {summary['final_loss']:.4f} · {summary['examples_per_second']:,.0f} "
-        f"examples/s · {summary['wall_seconds']:.1f}s · parameters "
-        f"{summary['parameter_bytes_per_device']:,} bytes per device of "
-        f"{summary['parameter_bytes_total']:,}"
-    )
-    console.print("\n".join(lines), highlight=False, soft_wrap=True)
-
-
-def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
-    """host -> (the mesh's data rows it holds devices in, its devices in mesh order)."""
-    by_host: dict[int, tuple[list[int], list[int]]] = {}
-    for row_index, row in enumerate(summary["mesh_devices"]):
-        for device in row:
-            rows, devices = by_host.setdefault(summary["device_hosts"][device], ([], []))
-            if row_index not in rows:
-                rows.append(row_index)
-            devices.append(device)
-    return by_host
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -52,9 +52,9 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
         }
     )
     examples_per_step = _distinct_examples(grid, global_batch, process)
-    losses = _train_loop(cfg, model, dataset, rows, examples_per_step, report)
+    final_loss = _train_loop(cfg, model, dataset, rows, examples_per_step, report)
     return {
-        "final_loss": losses[-1],
+        "final_loss": final_loss,
         "variables": describe_variables(model),
         "mesh_devices": [[d.id for d in row] for row in grid],
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
@@ -63,8 +63,8 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
 
 
 def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, report: Report):
+    """Train every step; report each logged step and a beat at least every BEAT_SECONDS."""
     trainer, global_batch = cfg.trainer, cfg.trainer.global_batch
-    losses: list[float] = []
     interval_start = last_beat = time.perf_counter()
     interval_steps = 0
     for step in range(trainer.steps):
@@ -75,7 +75,6 @@ def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, repo
         now = time.perf_counter()
         done = step + 1
         if done % trainer.log_interval == 0 or done == trainer.steps:
-            losses.append(loss)
             report(
                 {
                     "event": "step",
@@ -91,7 +90,7 @@ def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, repo
         elif now - last_beat >= BEAT_SECONDS:
             report({"event": "beat", "step": done})
             last_beat = now
-    return losses
+    return loss
 
 
 def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:

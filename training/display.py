@@ -1,4 +1,5 @@
-"""Live progress on the driver: a rich progress bar on a terminal, plain lines elsewhere."""
+"""What the driver shows: live progress (a rich bar on a terminal, plain lines elsewhere) and
+the run's closing summary with the device → host map."""
 
 from __future__ import annotations
 
@@ -68,3 +69,38 @@ class ProgressDisplay:
                 f"examples/s {speed}  slowest host {slowest}",
                 highlight=False,
             )
+
+
+def print_summary(summary: dict, console: Console) -> None:
+    mesh = summary["mesh"]
+    within = "yes" if summary["model_groups_within_hosts"] else "no: model groups span hosts"
+    lines = [
+        f"{summary['strategy']} on mesh data × model = {mesh['data']} × {mesh['model']} "
+        f"({_count(summary['hosts'], 'host')} × {summary['devices_per_host']} devices; "
+        f"model axis inside hosts: {within})",
+    ]
+    for host, (rows, devices) in sorted(_devices_by_host(summary).items()):
+        lines.append(f"  host {host}: data rows {rows}, devices {devices}")
+    lines.append(
+        f"final loss {summary['final_loss']:.4f} · {summary['examples_per_second']:,.0f} "
+        f"examples/s · {summary['wall_seconds']:.1f}s · parameters "
+        f"{summary['parameter_bytes_per_device']:,} bytes per device of "
+        f"{summary['parameter_bytes_total']:,}"
+    )
+    console.print("\n".join(lines), highlight=False, soft_wrap=True)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
+    """host -> (the mesh's data rows it holds devices in, its devices in mesh order)."""
+    by_host: dict[int, tuple[list[int], list[int]]] = {}
+    for row_index, row in enumerate(summary["mesh_devices"]):
+        for device in row:
+            rows, devices = by_host.setdefault(summary["device_hosts"][device], ([], []))
+            if row_index not in rows:
+                rows.append(row_index)
+            devices.append(device)
+    return by_host
