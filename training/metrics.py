@@ -16,7 +16,6 @@ class MetricsLog:
 
     def __init__(self, hosts: int, path: Path):
         self.hosts = hosts
-        self.path = path
         self.records: list[dict] = []
         self._pending: dict[int, dict[int, dict]] = defaultdict(dict)
         path.parent.mkdir(parents=True, exist_ok=True)
