@@ -36,15 +36,15 @@ POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
 
 
-def _failed(ref) -> Exception | None:
-    """The error of a finished host call, or None if it returned."""
+def _outcome(ref) -> tuple[dict | None, Exception | None]:
+    """(result, None) for a host call that returned, (None, error) for one that failed;
+    (None, None) while it is still running."""
     try:
-        ray.get(ref, timeout=0)
+        return ray.get(ref, timeout=0), None
     except (RayTaskError, RayActorError) as error:
-        return error
+        return None, error
     except GetTimeoutError:
-        pass
-    return None
+        return None, None
 
 
 class HostFailure(RuntimeError):
@@ -206,9 +206,11 @@ class Coordinator:
             while len(results) < len(calls):
                 pending = [ref for ref, host in calls.items() if host not in results]
                 finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
-                if any(_failed(ref) for ref in finished):
-                    self._report_failures(calls, pending)
-                results.update({calls[ref]: ray.get(ref) for ref in finished})
+                for ref in finished:
+                    result, error = _outcome(ref)
+                    if error is not None:
+                        self._report_failures(calls, pending)
+                    results[calls[ref]] = result
                 self._drain(inbox, watchdog)
                 for host in results:
                     watchdog.saw(host, None)
@@ -222,7 +224,7 @@ class Coordinator:
         When a host dies, its peers fail moments later inside a collective; wait briefly for
         those so that the death, not the peers' connection errors, leads the message."""
         ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
-        failures = [(calls[ref], error) for ref in pending if (error := _failed(ref))]
+        failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
         failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
         raise HostFailure("; then ".join(self._describe(h, e) for h, e in failures))
 
@@ -246,6 +248,8 @@ class Coordinator:
     def _handle(self, event: dict, watchdog: Watchdog) -> None:
         host, kind = event["host"], event["event"]
         watchdog.saw(host, event.get("step"))
+        if event.get("step"):  # a beat or a logged step: some host finished its first step
+            self._mark("first_step")
         if kind == "joined" and host == 0:
             self._mark("jax_cluster_joined")
         elif kind == "ready":
@@ -255,8 +259,6 @@ class Coordinator:
             if host == 0:
                 self._mark("model_built")
         elif kind == "step":
-            if "first_step" not in self.timings:
-                self._mark("first_step")
             record = self.metrics.add(event)
             if record is not None:
                 self.display.logged(record)
