@@ -8,6 +8,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["KERAS_BACKEND"] = "jax"
 
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,7 +20,26 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 register_configs()
 
 # Small and quick: every multi-host test trains this for a few steps.
-FAST = ["trainer.steps=6", "trainer.log_interval=2", "trainer.global_batch=32"]
+FAST = [
+    "trainer.steps=6",
+    "trainer.log_interval=2",
+    "trainer.global_batch=32",
+    "trainer.eval_batches=1",
+]
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for a jax device where only its id and host matter."""
+
+    id: int
+    process_index: int
+
+
+def fake_devices(hosts: int, per_host: int) -> list[FakeDevice]:
+    # Deliberately shuffled: the grid must not depend on the order jax lists devices in.
+    devices = [FakeDevice(h * 1000 + i, h) for h in range(hosts) for i in range(per_host)]
+    return devices[::-1]
 
 
 def compose_config(overrides: list[str]):
@@ -42,12 +62,14 @@ def ray_cluster():
 
 
 def alive_actors(class_name: str | None = None) -> list:
+    import ray
     from ray.util.state import list_actors
 
     filters = [("state", "=", "ALIVE")]
     if class_name:
         filters.append(("class_name", "=", class_name))
-    return list_actors(filters=filters)
+    # This session's own instance: other Ray instances may run on the same machine.
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
 
 
 def assert_no_actor_left(within_s: float = 10.0) -> None:

@@ -37,7 +37,7 @@ def reference_losses(overrides: list[str]) -> list[float]:
     batch = cfg.trainer.global_batch
     losses = []
     for step in range(cfg.trainer.steps):
-        x, y = dataset.batch(step, batch, slice(0, batch))
+        x, y = dataset.batch("train", step, batch, slice(0, batch))
         loss = float(model.train_on_batch(x, y, return_dict=True)["loss"])
         if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.steps:
             losses.append(loss)

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from training.config import ConfigError
 from training.coordinator import HostFailure
+from training.models import SPLIT_THRESHOLD_BYTES
 from training.run import run_training
 
 pytestmark = pytest.mark.ray
@@ -176,4 +177,31 @@ def test_a_frozen_host_is_caught_by_the_progress_timeout(ray_cluster, tmp_path):
 def test_a_host_silent_during_setup_is_caught_too(ray_cluster, tmp_path):
     with pytest.raises(HostFailure, match="no progress reported by host 0"):
         run_training(run_config(FAST + ["fault.timeout_s=0.5"]), tmp_path)
+    assert_no_actor_left()
+
+
+TRANSFORMER = ["model=transformer", "data=text", "trainer.log_interval=1"]
+
+
+def test_transformer_under_hybrid_learns_what_data_parallel_does(ray_cluster, tmp_path):
+    """The same seed and text on the same 8 devices: splitting the model over 4 devices and
+    the batch over 2 hosts changes the arithmetic's order, not the result."""
+    hybrid = train(TRANSFORMER + ["strategy=hybrid", "mesh.data=2", "mesh.model=4"], tmp_path / "h")
+    data_parallel = train(TRANSFORMER, tmp_path / "dp")
+    for summary in (hybrid, data_parallel):
+        assert_hosts_agree(summary)
+    np.testing.assert_allclose(hybrid["loss_history"], data_parallel["loss_history"], rtol=1e-3)
+    assert hybrid["eval_loss"] == pytest.approx(data_parallel["eval_loss"], rel=1e-3)
+    assert hybrid["eval_perplexity"] == pytest.approx(np.exp(hybrid["eval_loss"]))
+    assert hybrid["loss_history"][-1] < hybrid["loss_history"][0]
+
+    for path, variable in hybrid["variables"].items():
+        if variable["bytes"] > SPLIT_THRESHOLD_BYTES:
+            assert variable["shard_bytes"] * 4 == variable["bytes"], path
+    assert hybrid["replicated_above_threshold"] == []
+    assert hybrid["parameter_bytes_per_device"] <= 0.3 * hybrid["parameter_bytes_total"]
+    assert hybrid["optimizer_bytes_per_device"] <= 0.3 * hybrid["optimizer_bytes_total"]
+    assert data_parallel["parameter_bytes_per_device"] == data_parallel["parameter_bytes_total"]
+    logged = (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()
+    assert '"eval_loss"' in logged[-1] and '"eval_loss"' not in logged[0]
     assert_no_actor_left()

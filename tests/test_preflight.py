@@ -71,8 +71,31 @@ def test_variable_matched_by_two_rules_is_rejected():
             ["strategy=hybrid", "++strategy.layout_rules={d1/kernel:[null,model]}"],
             "'d1/kernel' matches no variable",
         ),
+        (
+            ["data=text"],
+            "model=mlp reads features but this data gives tokens; use model=transformer",
+        ),
+        (["model=transformer"], "model=transformer reads tokens but this data gives features"),
+        (["model=transformer", "data=text", "model.vocab_size=128"], "smaller than the data's"),
+        (["model=transformer", "data=text", "data.seq_len=64"], "model.seq_len=128 but the data"),
+        (
+            ["model=transformer", "data=text", "strategy=model_parallel", "model.heads=4"],
+            r"block_0_attention/query/kernel \(size 4, shape \[128, 4, 32\]\) over mesh.model=8",
+        ),
+        (
+            ["trainer.global_batch=64", "trainer.accumulate=16"],
+            "the micro-batch trainer.global_batch / trainer.accumulate = 4 is not divisible by "
+            "the data axis size mesh.data \\(8\\)",
+        ),
     ],
 )
 def test_bad_runs_fail_preflight(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(run_config(overrides))
+
+
+def test_a_global_batch_accumulate_cannot_split_is_a_config_error():
+    with pytest.raises(
+        ConfigError, match="global_batch=64 is not divisible by trainer.accumulate=3"
+    ):
+        run_config(["trainer.accumulate=3"])

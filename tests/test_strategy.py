@@ -1,13 +1,11 @@
 """Strategy -> distribution on 8 in-process CPU devices: the live arrays carry the configured
 partition specs, and the mesh keeps model groups inside hosts."""
 
-from dataclasses import dataclass
-
 import jax
 import keras
 import pytest
 
-from tests.conftest import run_config
+from tests.conftest import fake_devices, run_config
 from training import models
 from training.config import ConfigError, MeshConfig
 from training.data import build_dataset
@@ -75,18 +73,6 @@ def test_extra_rules_shard_what_the_model_leaves_replicated(built_model):
     model, _ = built_model("hybrid", MeshShape(2, 4), {"head/kernel": (None, "model")})
     head = next(v for v in model.variables if v.path == "head/kernel")
     assert spec_of(head) == (None, "model")
-
-
-@dataclass(frozen=True)
-class FakeDevice:
-    id: int
-    process_index: int
-
-
-def fake_devices(hosts: int, per_host: int) -> list[FakeDevice]:
-    # Deliberately shuffled: the grid must not depend on the order jax lists devices in.
-    devices = [FakeDevice(h * 1000 + i, h) for h in range(hosts) for i in range(per_host)]
-    return devices[::-1]
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
+PRECISIONS = ("float32", "bfloat16")
 AUTO = -1  # a mesh axis of this size takes all remaining devices
 
 
@@ -67,16 +68,53 @@ class MLPConfig:
 
 
 @dataclass
+class TransformerConfig:
+    name: str = "transformer"
+    layers: int = 2
+    d_model: int = 128
+    heads: int = 8
+    d_ff: int = 512
+    vocab_size: int = 256
+    seq_len: int = 128
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "d_model", "heads", "d_ff", "vocab_size", "seq_len"):
+            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1")
+        _require(
+            self.d_model % self.heads == 0,
+            f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}",
+        )
+
+
+@dataclass
 class SyntheticDataConfig:
     name: str = "synthetic"
     features: int = 32
     classes: int = 8
     examples: int = 16384
+    held_out_examples: int = 2048
     seed: int = 1234  # seeds the task itself, so it stays fixed when trainer.seed changes
 
     def __post_init__(self) -> None:
-        for key in ("features", "classes", "examples"):
+        for key in ("features", "classes", "examples", "held_out_examples"):
             _require(getattr(self, key) >= 1, f"data.{key} must be >= 1")
+
+
+@dataclass
+class TextDataConfig:
+    """Byte-level text from files already on every host (Python's standard library by default)."""
+
+    name: str = "text"
+    root: str = ""  # a directory of text files; empty means the standard library's sources
+    glob: str = "*.py"
+    seq_len: int = 128  # the yaml takes model.seq_len
+    held_out_percent: float = 10.0  # of the files, chosen by a hash of their names
+    seed: int = 1234  # shuffles the training windows
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 1, "data.seq_len must be >= 1")
+        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
 
 
 @dataclass
@@ -137,11 +175,28 @@ class TrainerConfig:
     global_batch: int = 64
     seed: int = 0
     log_interval: int = 10
+    eval_interval: int = 50  # held-out loss every this many steps, and after the last
+    eval_batches: int = 4
+    precision: str = "float32"  # or bfloat16: bf16 compute, float32 variables
+    accumulate: int = 1  # micro-batches per optimizer step: global_batch / accumulate each
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 1, "trainer.steps must be >= 1")
-        _require(self.global_batch >= 1, "trainer.global_batch must be >= 1")
-        _require(self.log_interval >= 1, "trainer.log_interval must be >= 1")
+        for key in ("steps", "global_batch", "log_interval", "eval_interval", "accumulate"):
+            _require(getattr(self, key) >= 1, f"trainer.{key} must be >= 1")
+        _require(self.eval_batches >= 0, "trainer.eval_batches must be >= 0 (0: no evaluation)")
+        _require(
+            self.precision in PRECISIONS,
+            f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}",
+        )
+        _require(
+            self.global_batch % self.accumulate == 0,
+            f"trainer.global_batch={self.global_batch} is not divisible by "
+            f"trainer.accumulate={self.accumulate}",
+        )
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // self.accumulate
 
 
 @dataclass
@@ -154,8 +209,8 @@ class FaultConfig:
         _require(self.timeout_s > 0, "fault.timeout_s must be > 0")
 
 
-ModelConfig = MLPConfig
-DataConfig = SyntheticDataConfig
+ModelConfig = MLPConfig | TransformerConfig
+DataConfig = SyntheticDataConfig | TextDataConfig
 OptimizerConfig = AdamConfig | SGDConfig
 ClusterConfig = LocalClusterConfig | RayClusterConfig
 
@@ -177,8 +232,8 @@ class RunConfig:
 SCHEMAS = {
     "strategy": {"strategy": StrategyConfig},
     "mesh": {"mesh": MeshConfig},
-    "model": {"mlp": MLPConfig},
-    "data": {"synthetic": SyntheticDataConfig},
+    "model": {"mlp": MLPConfig, "transformer": TransformerConfig},
+    "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig},
     "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
     "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
     "trainer": {"trainer": TrainerConfig},

@@ -30,6 +30,7 @@ from training.metrics import (
     steady_examples_per_second,
     write_json,
 )
+from training.models import SPLIT_THRESHOLD_BYTES
 from training.preflight import Plan
 
 POLL_SECONDS = 0.25
@@ -253,6 +254,7 @@ class Coordinator:
         if kind == "joined" and host == 0:
             self._mark("jax_cluster_joined")
         elif kind == "ready":
+            self._check_same_data(host, event["data_fingerprint"])
             self.identities[host].update(
                 {key: event[key] for key in ("rows", "local_devices", "setup_seconds")}
             )
@@ -263,6 +265,14 @@ class Coordinator:
             if record is not None:
                 self.display.logged(record)
         self.display.advance_to(watchdog.slowest_step())
+
+    def _check_same_data(self, host: int, fingerprint: str) -> None:
+        if fingerprint != self.plan.data_spec.fingerprint:
+            raise HostFailure(
+                f"host {host} reads different data than the driver checked (data fingerprint "
+                f"{fingerprint[:12]} vs {self.plan.data_spec.fingerprint[:12]}): every host "
+                "needs the same files (data.root, data.glob) and data settings; stopped all hosts"
+            )
 
     def _mark(self, phase: str) -> None:
         self.timings.setdefault(phase, time.perf_counter() - self._started)
@@ -282,7 +292,10 @@ class Coordinator:
             "logged_steps": [r["step"] for r in records],
             "final_loss": records[-1]["loss"] if records else None,
             "per_host_final_loss": [r["final_loss"] for r in results],
-            "hosts_agree_on_loss": all(r["hosts_agree"] for r in records),
+            "hosts_agree_on_loss": all(
+                r["hosts_agree"] and r.get("eval_hosts_agree", True) for r in records
+            ),
+            **_held_out_summary(records, plan.data_spec.baseline_loss),
             "examples_per_second": steady_examples_per_second(records) if records else None,
             "per_host_step_seconds": per_host_step_seconds(records) if records else None,
             "wall_seconds": time.perf_counter() - self._started,
@@ -302,13 +315,32 @@ class Coordinator:
         write_json(self.output_dir / "summary.json", summary)
 
 
+def _held_out_summary(records: list[dict], baseline_loss: float) -> dict:
+    evaluated = [r for r in records if "eval_loss" in r]
+    last = evaluated[-1] if evaluated else {}
+    return {
+        "eval_loss": last.get("eval_loss"),
+        "eval_perplexity": last.get("eval_perplexity"),
+        "eval_history": [[r["step"], r["eval_loss"]] for r in evaluated],
+        # What a model that knows only the training labels' frequencies scores held out.
+        "baseline_eval_loss": baseline_loss,
+    }
+
+
 def _layout_summary(result: dict) -> dict:
-    variables = result["variables"]
+    variables, optimizer = result["variables"], result["optimizer_variables"]
+    replicated = {p: v for p, v in variables.items() if v["shard_bytes"] == v["bytes"]}
     return {
         "variable_shardings": {path: v["spec"] for path, v in variables.items()},
         "variables": variables,
         "parameter_bytes_total": sum(v["bytes"] for v in variables.values()),
         "parameter_bytes_per_device": sum(v["shard_bytes"] for v in variables.values()),
+        "parameter_bytes_replicated": sum(v["bytes"] for v in replicated.values()),
+        "replicated_above_threshold": sorted(
+            p for p, v in replicated.items() if v["bytes"] > SPLIT_THRESHOLD_BYTES
+        ),
+        "optimizer_bytes_total": sum(v["bytes"] for v in optimizer.values()),
+        "optimizer_bytes_per_device": sum(v["shard_bytes"] for v in optimizer.values()),
         "mesh_devices": result["mesh_devices"],
         "device_hosts": result["device_hosts"],
         "model_groups_within_hosts": result["model_groups_within_hosts"],

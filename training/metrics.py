@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -53,6 +54,20 @@ def join_host_reports(reports: list[dict]) -> dict:
         "slowest_host": max(range(len(reports)), key=step_seconds.__getitem__),
         "interval_examples": examples,
         "interval_seconds": interval_seconds,
+        **_held_out(reports),
+    }
+
+
+def _held_out(reports: list[dict]) -> dict:
+    """Held-out loss and perplexity, where the hosts evaluated at this step."""
+    if "eval_loss" not in reports[0]:
+        return {}
+    losses = [r["eval_loss"] for r in reports]
+    loss = sum(losses) / len(losses)
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(loss),
+        "eval_hosts_agree": _agree(losses),
     }
 
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from training import models
-from training.config import ConfigError, RunConfig
+from training.config import ConfigError, RunConfig, TrainerConfig
 from training.data import DataSpec, build_dataset
 from training.models import LayoutRules, VariableInfo
 from training.strategy import MeshShape, resolve_mesh
@@ -26,8 +26,9 @@ class Plan:
 def preflight(cfg: RunConfig) -> Plan:
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
-    check_global_batch(cfg.trainer.global_batch, mesh, hosts)
+    check_global_batch(cfg.trainer, mesh, hosts)
     data_spec = build_dataset(cfg.data).spec
+    models.check_data_fits(cfg.model, data_spec)
     variables = models.abstract_variables(cfg.model, data_spec)
     if cfg.strategy.name != "data_parallel":
         check_layout_rules(
@@ -36,12 +37,18 @@ def preflight(cfg: RunConfig) -> Plan:
     return Plan(mesh, hosts, per_host, data_spec, tuple(variables))
 
 
-def check_global_batch(global_batch: int, mesh: MeshShape, hosts: int) -> None:
+def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:
+    """Each micro-batch (the global batch / trainer.accumulate) splits evenly over the data
+    axis and over the hosts."""
+    batch, accumulate = trainer.micro_batch, trainer.accumulate
+    what_batch = (
+        f"trainer.global_batch={trainer.global_batch}"
+        if accumulate == 1
+        else f"the micro-batch trainer.global_batch / trainer.accumulate = {batch}"
+    )
     for divisor, what in ((mesh.data, "the data axis size mesh.data"), (hosts, "the host count")):
-        if global_batch % divisor:
-            raise ConfigError(
-                f"trainer.global_batch={global_batch} is not divisible by {what} ({divisor})"
-            )
+        if batch % divisor:
+            raise ConfigError(f"{what_batch} is not divisible by {what} ({divisor})")
 
 
 def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: MeshShape) -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from training import models
-from training.config import RunConfig
-from training.data import build_dataset
+from training.config import RunConfig, TrainerConfig
+from training.data import Dataset, build_dataset
 from training.optimizers import build_optimizer
 from training.strategy import (
     MeshShape,
@@ -26,6 +27,10 @@ Report = Callable[[dict], None]
 BEAT_SECONDS = 1.0  # how often a host says it is alive between logged steps
 
 
+# Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
+DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+
+
 def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
     import jax
     import keras
@@ -33,59 +38,95 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
     started = time.perf_counter()
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
     grid = device_grid(jax.devices(), mesh)
     rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
     keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
     dataset = build_dataset(cfg.data)
     model = models.build_model(cfg.model, dataset.spec)
-    model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.loss(cfg.model))
+    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
 
     process = jax.process_index()
-    global_batch = cfg.trainer.global_batch
-    rows = host_batch_rows(grid, process, global_batch)
+    feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
     report(
         {
             "event": "ready",
-            "rows": [rows.start, rows.stop],
+            "rows": [feed.rows.start, feed.rows.stop],
             "local_devices": [d.id for d in jax.local_devices()],
             "setup_seconds": time.perf_counter() - started,
+            "data_fingerprint": dataset.spec.fingerprint,
         }
     )
-    examples_per_step = _distinct_examples(grid, global_batch, process)
-    final_loss = _train_loop(cfg, model, dataset, rows, examples_per_step, report)
+    examples_per_step = _distinct_examples(grid, cfg.trainer.global_batch, process)
+    final_loss = _train_loop(cfg.trainer, model, feed, examples_per_step, report)
     return {
         "final_loss": final_loss,
-        "variables": describe_variables(model),
+        "variables": describe_variables(model.variables),
+        "optimizer_variables": describe_variables(model.optimizer.variables),
         "mesh_devices": [[d.id for d in row] for row in grid],
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
         "model_groups_within_hosts": model_groups_within_hosts(grid),
     }
 
 
-def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, report: Report):
+@dataclass(frozen=True)
+class HostFeed:
+    """This host's rows of every micro-batch, and the steps that consume them.
+
+    Micro-batch i of optimizer step s is batch s * accumulate + i of size global_batch /
+    accumulate: together they hold exactly the examples of global batch s, so accumulating
+    changes how a step is computed, not what it learns from."""
+
+    dataset: Dataset
+    trainer: TrainerConfig
+    rows: slice
+
+    def train_step(self, model, step: int) -> float:
+        k, size = self.trainer.accumulate, self.trainer.micro_batch
+        losses = [
+            model.train_on_batch(*self.dataset.batch("train", step * k + i, size, self.rows))
+            for i in range(k)
+        ]
+        # Each loss is its micro-batch's, already agreed on by every process.
+        return sum(float(loss) for loss in losses) / k
+
+    def held_out_loss(self, model) -> float:
+        """Mean loss over the first `eval_batches` global batches of held-out data, fed in
+        micro-batches like training."""
+        size, batches = self.trainer.micro_batch, self.trainer.eval_batches
+        losses = [
+            model.test_on_batch(*self.dataset.batch("held_out", i, size, self.rows))
+            for i in range(batches * self.trainer.accumulate)
+        ]
+        return sum(float(loss) for loss in losses) / len(losses)
+
+
+def _train_loop(trainer: TrainerConfig, model, feed: HostFeed, examples_per_step, report) -> float:
     """Train every step; report each logged step and a beat at least every BEAT_SECONDS."""
-    trainer, global_batch = cfg.trainer, cfg.trainer.global_batch
     interval_start = last_beat = time.perf_counter()
     interval_steps = 0
     for step in range(trainer.steps):
-        x, y = dataset.batch(step, global_batch, rows)
-        # train_on_batch returns this batch's loss, already agreed on by every process.
-        loss = float(model.train_on_batch(x, y, return_dict=True)["loss"])
+        loss = feed.train_step(model, step)
         interval_steps += 1
         now = time.perf_counter()
         done = step + 1
-        if done % trainer.log_interval == 0 or done == trainer.steps:
-            report(
-                {
-                    "event": "step",
-                    "step": done,
-                    "loss": loss,
-                    "seconds": now - interval_start,
-                    "steps": interval_steps,
-                    "examples": examples_per_step * interval_steps,
-                }
-            )
-            interval_start = last_beat = now
+        last = done == trainer.steps
+        evaluate = trainer.eval_batches > 0 and (done % trainer.eval_interval == 0 or last)
+        if done % trainer.log_interval == 0 or last or evaluate:
+            event = {
+                "event": "step",
+                "step": done,
+                "loss": loss,
+                "seconds": now - interval_start,
+                "steps": interval_steps,
+                "examples": examples_per_step * interval_steps,
+            }
+            if evaluate:
+                event["eval_loss"] = feed.held_out_loss(model)
+            report(event)
+            # Evaluation time stays out of the next interval's step times.
+            interval_start = last_beat = time.perf_counter()
             interval_steps = 0
         elif now - last_beat >= BEAT_SECONDS:
             report({"event": "beat", "step": done})
@@ -102,10 +143,10 @@ def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> flo
     return (rows.stop - rows.start) / sharing
 
 
-def describe_variables(model) -> dict[str, dict]:
+def describe_variables(variables) -> dict[str, dict]:
     """Sharding of every variable, read from the live arrays rather than from the config."""
     described = {}
-    for variable in model.variables:
+    for variable in variables:
         array = variable.value
         shard = array.addressable_shards[0].data
         described[variable.path] = {

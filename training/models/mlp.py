@@ -12,11 +12,16 @@ import keras
 from training.config import MLPConfig
 from training.data import DataSpec
 
-LAYOUT_RULES = {
+INPUT_KIND = "features"
+RULES = {
     r"block_\d+_up/kernel": (None, "model"),
     r"block_\d+_up/bias": ("model",),
     r"block_\d+_down/kernel": ("model", None),
 }
+
+
+def layout_rules(cfg: MLPConfig) -> dict:
+    return dict(RULES)
 
 
 def loss() -> keras.losses.Loss:
@@ -24,7 +29,7 @@ def loss() -> keras.losses.Loss:
 
 
 def build(cfg: MLPConfig, data_spec: DataSpec) -> keras.Model:
-    inputs = keras.Input(shape=data_spec.feature_shape, name="features")
+    inputs = keras.Input(shape=data_spec.input_shape, name="features")
     h = keras.layers.Dense(cfg.d_model, name="input_proj")(inputs)
     for i in range(cfg.depth):
         u = keras.layers.Dense(cfg.hidden, activation="gelu", name=f"block_{i}_up")(h)

@@ -1,0 +1,40 @@
+"""A fixed classification task: Gaussian features labelled by a random teacher network."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from training.config import SyntheticDataConfig
+from training.data import DataSpec, batch_positions, prior_cross_entropy
+
+
+class SyntheticClassification:
+    def __init__(self, cfg: SyntheticDataConfig):
+        rng = np.random.default_rng(cfg.seed)
+        total = cfg.examples + cfg.held_out_examples
+        features = rng.standard_normal((total, cfg.features), dtype=np.float32)
+        teacher_hidden = rng.standard_normal((cfg.features, 4 * cfg.classes)) / np.sqrt(
+            cfg.features
+        )
+        teacher_out = rng.standard_normal((4 * cfg.classes, cfg.classes))
+        labels = (np.tanh(features @ teacher_hidden) @ teacher_out).argmax(axis=1)
+        labels = labels.astype(np.int32)
+        train, held_out = slice(0, cfg.examples), slice(cfg.examples, total)
+        self.splits = {
+            "train": (features[train], labels[train], rng.permutation(cfg.examples)),
+            "held_out": (features[held_out], labels[held_out], np.arange(cfg.held_out_examples)),
+        }
+        self.spec = DataSpec(
+            kind="features",
+            input_shape=(cfg.features,),
+            num_classes=cfg.classes,
+            baseline_loss=prior_cross_entropy(labels[train], labels[held_out], cfg.classes),
+            fingerprint=hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest(),
+        )
+
+    def batch(self, split: str, index: int, batch_size: int, rows: slice):
+        features, labels, order = self.splits[split]
+        indices = order[batch_positions(index, batch_size, rows, len(order))]
+        return features[indices], labels[indices]
