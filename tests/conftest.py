@@ -42,12 +42,15 @@ def ray_cluster():
 
 
 def alive_actors(class_name: str | None = None) -> list:
+    import ray
     from ray.util.state import list_actors
 
     filters = [("state", "=", "ALIVE")]
     if class_name:
         filters.append(("class_name", "=", class_name))
-    return list_actors(filters=filters)
+    # The session's instance by address: with none, Ray looks for one on this machine and
+    # gives up when there are several (the multi-node cluster of test_cluster, say).
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
 
 
 def assert_no_actor_left(within_s: float = 10.0) -> None:
