@@ -1,12 +1,53 @@
-"""Real clusters: sizing a run from the cluster's nodes."""
+"""Real clusters: the `ray up` configs and sizing a run from the cluster's nodes."""
+
+from pathlib import Path
 
 import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
 
 from training.cluster import Node, host_bundle, measure
 from training.config import ConfigError, RayClusterConfig
 from training.host import host_environment
 
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
 HOST_RESOURCE = "training_host"
+ON_THE_TEST_CLUSTER = ["cluster.platform=cpu", f"cluster.host_resource={HOST_RESOURCE}"]
+
+
+def load_cluster_config(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_there_is_a_config_for_each_cloud_and_on_premise():
+    providers = {load_cluster_config(path)["provider"]["type"] for path in CLUSTER_CONFIGS}
+    assert providers == {"aws", "gcp", "local"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda path: path.name)
+def test_cluster_config_passes_rays_own_validation(path):
+    validate_config(prepare_config(load_cluster_config(path)))
+
+
+def test_the_validation_rejects_a_misspelt_key():
+    config = load_cluster_config(REPO / "cluster" / "aws.yaml")
+    config["setup_comands"] = config.pop("setup_commands")
+    with pytest.raises(Exception, match="setup_comands"):
+        validate_config(prepare_config(config))
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda path: path.name)
+def test_cluster_config_keeps_the_cluster_closed_and_installs_the_project(path):
+    config = prepare_config(load_cluster_config(path))
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "RAY_AUTH_MODE=token ray start" in " ".join(config[key])
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert config["file_mounts"]["~/training"] == "."
+    assert "security_group" not in config["provider"]  # no port opened beyond Ray's SSH rule
+    assert '$HOME/training[cuda]"' in " ".join(config["worker_setup_commands"])
 
 
 def gpu_node(name: str, gpus: int, **extra: float) -> Node:
