@@ -68,7 +68,8 @@ def alive_actors(class_name: str | None = None) -> list:
     filters = [("state", "=", "ALIVE")]
     if class_name:
         filters.append(("class_name", "=", class_name))
-    # This session's own instance: other Ray instances may run on the same machine.
+    # The session's instance by address: with none, Ray looks for one on this machine and
+    # gives up when there are several (the multi-node cluster of test_cluster, say).
     return list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
 
 

@@ -8,7 +8,7 @@ rules (mesh against cluster, batch against mesh) live in `training.preflight`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -146,6 +146,9 @@ class LocalClusterConfig:
     hosts: int = 2
     devices_per_host: int = 4
     placement_timeout_s: float = 60.0
+    # Not settable: simulated hosts have CPU devices and share this machine's one node.
+    platform: ClassVar[str] = "cpu"
+    host_resource: ClassVar[Optional[str]] = None
 
     def __post_init__(self) -> None:
         _require(self.hosts >= 1, "cluster.hosts must be >= 1")
@@ -154,19 +157,30 @@ class LocalClusterConfig:
 
 @dataclass
 class RayClusterConfig:
-    """An existing Ray cluster, reached by address; one host actor per node."""
+    """An existing Ray cluster, reached by address; one host actor per node.
+
+    `hosts` and `devices_per_host` of -1 are read from the cluster when the run starts: the
+    nodes that are hosts (with GPUs, or carrying `host_resource`) and their devices each."""
 
     name: str = "ray"
     address: str = "auto"
-    hosts: int = 2
-    devices_per_host: int = 8
+    hosts: int = AUTO
+    devices_per_host: int = AUTO
     platform: str = "gpu"
+    # A custom resource marking the nodes that are hosts (`ray start --resources=
+    # '{"training_host": 1}'`); unset, every node with GPUs (platform=gpu) is a host.
+    host_resource: Optional[str] = None
     placement_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        _require(self.hosts >= 1, "cluster.hosts must be >= 1")
-        _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+        for key in ("hosts", "devices_per_host"):
+            size = getattr(self, key)
+            _require(
+                size == AUTO or size >= 1,
+                f"cluster.{key}={size}: use a positive number, or -1 to read it from the cluster",
+            )
         _require(self.platform in ("cpu", "gpu"), "cluster.platform must be 'cpu' or 'gpu'")
+        _require(self.host_resource != "", "cluster.host_resource must be a resource name or null")
 
 
 @dataclass

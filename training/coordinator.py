@@ -8,10 +8,8 @@ its processes.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from training.cluster import (
+    alive_nodes,
+    describe_nodes,
+    host_bundle,
+    placement_strategy,
+    ray_session,
+)
 from training.config import ClusterConfig, ConfigError, RunConfig
 from training.display import ProgressDisplay
 from training.host import HostActor, host_environment
@@ -52,28 +57,6 @@ class HostFailure(RuntimeError):
     """A host died, raised, or stopped making progress; the run was stopped."""
 
 
-@contextmanager
-def ray_session(cluster: ClusterConfig):
-    """Use the caller's Ray connection if there is one, else start or join one for this run."""
-    if ray.is_initialized():
-        yield
-        return
-    if cluster.name == "local":
-        # address="local" starts a fresh instance instead of joining a stale one.
-        ray.init(
-            address="local",
-            num_cpus=max(os.cpu_count() or 1, cluster.hosts),
-            include_dashboard=False,
-            logging_level="WARNING",
-        )
-    else:
-        ray.init(address=cluster.address, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @dataclass
 class HostGroup:
     """One actor per host, gang-scheduled through a placement group."""
@@ -83,12 +66,8 @@ class HostGroup:
 
     @classmethod
     def start(cls, cluster: ClusterConfig, plan: Plan) -> HostGroup:
-        platform = "cpu" if cluster.name == "local" else cluster.platform
-        bundle = {"CPU": 1.0}
-        if platform == "gpu":
-            bundle["GPU"] = float(plan.devices_per_host)
-        # On a real cluster each host is a node; locally every simulated host shares one.
-        strategy = "PACK" if cluster.name == "local" else "STRICT_SPREAD"
+        bundle = host_bundle(cluster, plan.devices_per_host)
+        strategy = placement_strategy(cluster)
         placement = placement_group([dict(bundle)] * plan.hosts, strategy=strategy)
         group = cls(placement)
         try:
@@ -98,18 +77,22 @@ class HostGroup:
             raise ConfigError(
                 f"the Ray cluster could not place {plan.hosts} hosts of {bundle} "
                 f"({strategy}) within cluster.placement_timeout_s="
-                f"{cluster.placement_timeout_s:g}s; it has {_cluster_inventory()}"
+                f"{cluster.placement_timeout_s:g}s; it has "
+                f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
             ) from None
-        env = host_environment(platform, plan.devices_per_host)
+        env = host_environment(cluster.platform, plan.devices_per_host)
+        gpus = bundle.get("GPU", 0.0)
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         for host in range(plan.hosts):
             actor = HostActor.options(
                 num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
+                num_gpus=gpus,
+                resources=custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=host
                 ),
                 runtime_env={"env_vars": env},
-            ).remote(host, plan.hosts, platform)
+            ).remote(host, plan.hosts, cluster.platform)
             group.actors.append(actor)
         return group
 
@@ -118,12 +101,6 @@ class HostGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
         remove_placement_group(self.placement)
-
-
-def _cluster_inventory() -> str:
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-    return f"{len(nodes)} node(s) with {resources} in total"
 
 
 class Watchdog:

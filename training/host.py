@@ -19,11 +19,16 @@ from training.strategy import MeshShape
 
 
 def host_environment(platform: str, devices_per_host: int) -> dict[str, str]:
-    env = {"KERAS_BACKEND": "jax"}
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_host}"
-    return env
+    """On GPU, JAX takes the node's CUDA devices (Ray sets CUDA_VISIBLE_DEVICES to the GPUs
+    the actor holds) and fails loudly if the CUDA build of jax is missing, rather than
+    falling back to one CPU device. On CPU, `devices_per_host` devices are simulated."""
+    if platform == "gpu":
+        return {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cuda"}
+    return {
+        "KERAS_BACKEND": "jax",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}",
+    }
 
 
 @ray.remote

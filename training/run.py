@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from training.cluster import sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.coordinator import Coordinator, HostFailure  # noqa: E402
 from training.display import ProgressDisplay, print_summary  # noqa: E402
@@ -32,10 +33,10 @@ register_configs()
 def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console | None = None):
     """Check the config, train, write results under `output_dir`; return the summary."""
     console = console or Console()
-    cfg = to_run_config(cfg)
-    plan = preflight(cfg)
-    display = ProgressDisplay(cfg.trainer.steps, console)
-    summary = Coordinator(cfg, plan, output_dir, display).run()
+    with sized_to_cluster(to_run_config(cfg)) as cfg:
+        plan = preflight(cfg)
+        display = ProgressDisplay(cfg.trainer.steps, console)
+        summary = Coordinator(cfg, plan, output_dir, display).run()
     print_summary(summary, console)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary

@@ -1,0 +1,240 @@
+"""Real clusters: the `ray up` configs, sizing a run from the cluster's nodes, and runs on a
+multi-node Ray cluster on this machine (submitted as a Ray job, as on a real cluster)."""
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from tests.conftest import FAST, run_config
+from training.cluster import Node, host_bundle, measure
+from training.config import ConfigError, RayClusterConfig
+from training.host import host_environment
+from training.run import run_training
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
+HOST_RESOURCE = "training_host"
+ON_THE_TEST_CLUSTER = ["cluster.platform=cpu", f"cluster.host_resource={HOST_RESOURCE}"]
+
+
+def load_cluster_config(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_there_is_a_config_for_each_cloud_and_on_premise():
+    providers = {load_cluster_config(path)["provider"]["type"] for path in CLUSTER_CONFIGS}
+    assert providers == {"aws", "gcp", "local"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda path: path.name)
+def test_cluster_config_passes_rays_own_validation(path):
+    validate_config(prepare_config(load_cluster_config(path)))
+
+
+def test_the_validation_rejects_a_misspelt_key():
+    config = load_cluster_config(REPO / "cluster" / "aws.yaml")
+    config["setup_comands"] = config.pop("setup_commands")
+    with pytest.raises(Exception, match="setup_comands"):
+        validate_config(prepare_config(config))
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda path: path.name)
+def test_cluster_config_keeps_the_cluster_closed_and_installs_the_project(path):
+    config = prepare_config(load_cluster_config(path))
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "RAY_AUTH_MODE=token ray start" in " ".join(config[key])
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert config["file_mounts"]["~/training"] == "."
+    assert "security_group" not in config["provider"]  # no port opened beyond Ray's SSH rule
+    assert '$HOME/training[cuda]"' in " ".join(config["worker_setup_commands"])
+
+
+def gpu_node(name: str, gpus: int, **extra: float) -> Node:
+    return Node(name * 8, "10.0.0.1", False, {"CPU": 96.0, "GPU": float(gpus), **extra})
+
+
+CPU_HEAD = Node("h" * 8, "10.0.0.9", True, {"CPU": 8.0})
+
+
+def test_auto_counts_are_read_from_the_gpu_nodes():
+    nodes = [CPU_HEAD, gpu_node("a", 8), gpu_node("b", 8)]
+    sized = measure(RayClusterConfig(), nodes)
+    assert (sized.hosts, sized.devices_per_host) == (2, 8)
+    assert host_bundle(sized, sized.devices_per_host) == {"CPU": 1.0, "GPU": 8.0}
+
+
+def test_a_host_resource_picks_the_nodes_that_are_hosts():
+    nodes = [CPU_HEAD, gpu_node("a", 8, **{HOST_RESOURCE: 1.0}), gpu_node("b", 8)]
+    cluster = RayClusterConfig(host_resource=HOST_RESOURCE)
+    sized = measure(cluster, nodes)
+    assert (sized.hosts, sized.devices_per_host) == (1, 8)
+    assert host_bundle(sized, 8) == {"CPU": 1.0, "GPU": 8.0, HOST_RESOURCE: 1.0}
+
+
+def test_an_explicit_host_count_is_kept_for_an_autoscaler_to_meet():
+    sized = measure(RayClusterConfig(hosts=4), [CPU_HEAD, gpu_node("a", 8)])
+    assert (sized.hosts, sized.devices_per_host) == (4, 8)
+
+
+def test_nodes_with_different_gpu_counts_need_an_explicit_device_count():
+    nodes = [gpu_node("a", 8), gpu_node("b", 4)]
+    with pytest.raises(ConfigError, match="differ in GPUs.*GPU 8.*GPU 4.*devices_per_host"):
+        measure(RayClusterConfig(), nodes)
+    assert measure(RayClusterConfig(devices_per_host=4), nodes).hosts == 2
+
+
+def test_a_cluster_without_host_nodes_says_what_it_has():
+    with pytest.raises(ConfigError, match=r"no node with GPUs now; it has 1 node\(s\).*\(head\)"):
+        measure(RayClusterConfig(), [CPU_HEAD])
+
+
+def test_gpu_hosts_use_cuda_and_simulate_no_devices():
+    assert host_environment("gpu", 8) == {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cuda"}
+    assert "XLA_FLAGS" not in host_environment("gpu", 8)
+
+
+@dataclass
+class MultiNodeCluster:
+    address: str
+    dashboard: str
+    host_node_ids: list[str]
+    env: dict[str, str]
+
+    def left_over(self, resource: str, live_filter: str) -> list[dict]:
+        """Through Ray's own CLI: the state API needs this cluster's token, not the test's."""
+        listing = subprocess.run(
+            [
+                "ray",
+                "list",
+                resource,
+                "--address",
+                self.dashboard,
+                "--format",
+                "json",
+                "--filter",
+                live_filter,
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        # An empty listing is a sentence, not JSON.
+        return json.loads(listing.stdout) if listing.stdout.lstrip().startswith("[") else []
+
+
+@pytest.fixture(scope="module")
+def multinode_cluster(tmp_path_factory):
+    """A head node and two host nodes (4 CPUs and the host resource each), with token
+    authentication on and a token of its own, started in a separate process."""
+    bin_dir = str(Path(sys.executable).parent)  # `python` and `ray` of this venv in jobs
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(16),
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+    )
+    log = tmp_path_factory.mktemp("multinode") / "cluster.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "multinode_cluster.py"), "2", "4", HOST_RESOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            text=True,
+        )
+    try:
+        line = process.stdout.readline()
+        assert line, f"the cluster did not start:\n{log.read_text()[-3000:]}"
+        yield MultiNodeCluster(env=env, **json.loads(line))
+    finally:
+        process.stdin.close()  # the helper shuts the cluster down
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run(
+    ray_cluster, multinode_cluster, tmp_path
+):
+    submit = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "submit_job.py"),
+            "--address",
+            multinode_cluster.dashboard,
+            "--runs-dir",
+            str(tmp_path),
+            "--submission-id",
+            "multinode",
+            "--follow",
+            "--",
+            *ON_THE_TEST_CLUSTER,
+            *FAST,
+        ],
+        env=multinode_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    summary_path = tmp_path / "multinode" / "summary.json"
+    assert f"ray job logs --follow multinode --address {multinode_cluster.dashboard}" in (
+        submit.stdout
+    )
+    assert f"summary: {summary_path}" in submit.stdout  # the run's own last line, in the logs
+    summary = json.loads(summary_path.read_text())
+
+    assert summary["status"] == "completed"
+    # Read from the cluster: 2 marked nodes, 4 CPUs each (the driver's head node is no host).
+    assert (summary["hosts"], summary["devices_per_host"]) == (2, 4)
+    node_ids = [identity["node_id"] for identity in summary["host_identities"]]
+    assert sorted(node_ids) == sorted(multinode_cluster.host_node_ids)
+
+    local = run_training(run_config(FAST), tmp_path / "local")
+    assert summary["mesh"] == local["mesh"] == {"data": 8, "model": 1}
+    assert summary["loss_history"] == pytest.approx(local["loss_history"], rel=1e-6)
+    assert summary["per_host_final_loss"] == pytest.approx(local["per_host_final_loss"], rel=1e-6)
+
+
+def test_more_hosts_than_the_cluster_has_fail_within_the_timeout(multinode_cluster, tmp_path):
+    overrides = ["cluster.hosts=3", "cluster.placement_timeout_s=5", "trainer.global_batch=24"]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.run",
+            f"hydra.run.dir={tmp_path}",
+            "cluster=ray",
+            f"cluster.address={multinode_cluster.address}",
+            *ON_THE_TEST_CLUSTER,
+            *FAST,
+            *overrides,
+        ],
+        cwd=REPO,
+        env=multinode_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    error = run.stderr.replace("\n", "")
+    asked = f"could not place 3 hosts of {{'CPU': 4.0, '{HOST_RESOURCE}': 1.0}} (STRICT_SPREAD)"
+    assert asked in error and "within cluster.placement_timeout_s=5s" in error
+    assert "it has 3 node(s)" in error and error.count(f"{HOST_RESOURCE} 1") == 2
+    assert "(head): CPU 1" in error
+    assert multinode_cluster.left_over("actors", "state=ALIVE") == []
+    assert multinode_cluster.left_over("placement-groups", "state!=REMOVED") == []

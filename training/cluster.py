@@ -1,0 +1,156 @@
+"""The Ray cluster a run uses: the connection, which nodes are hosts, what each host asks for.
+
+Locally every simulated host is an actor on the one node. On a real cluster a host is a
+node: one with GPUs (platform=gpu), or one carrying the custom resource
+`cluster.host_resource`; each host actor takes all of its node's devices.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import ray
+
+from training.config import AUTO, ClusterConfig, ConfigError, RayClusterConfig, RunConfig
+
+HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
+
+
+@contextmanager
+def ray_session(cluster: ClusterConfig):
+    """Use the caller's Ray connection if there is one, else start or join one for this run."""
+    if ray.is_initialized():
+        yield
+        return
+    if cluster.name == "local":
+        # address="local" starts a fresh instance instead of joining a stale one.
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, cluster.hosts),
+            include_dashboard=False,
+            logging_level="WARNING",
+        )
+    else:
+        try:
+            ray.init(address=cluster.address, logging_level="WARNING")
+        except ConnectionError as error:
+            raise ConfigError(
+                f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
+            ) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    address: str
+    head: bool
+    resources: dict[str, float]
+
+
+def alive_nodes() -> list[Node]:
+    return [
+        Node(n["NodeID"], n["NodeManagerAddress"], HEAD_MARKER in n["Resources"], n["Resources"])
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
+
+
+def is_auto_sized(cluster: ClusterConfig) -> bool:
+    return AUTO in (cluster.hosts, cluster.devices_per_host)
+
+
+@contextmanager
+def sized_to_cluster(cfg: RunConfig) -> Iterator[RunConfig]:
+    """`cfg` with auto host and device counts read from the cluster, connected meanwhile.
+
+    A config that gives both counts is checked before any connection, so bad input fails
+    without one; auto counts need the cluster first."""
+    if not is_auto_sized(cfg.cluster):
+        yield cfg
+        return
+    with ray_session(cfg.cluster):
+        yield replace(cfg, cluster=measure(cfg.cluster, alive_nodes()))
+
+
+def measure(cluster: RayClusterConfig, nodes: list[Node]) -> RayClusterConfig:
+    """Fill in auto counts from the host nodes present now.
+
+    A count given explicitly is kept even when the cluster has fewer nodes now: an
+    autoscaler starts them for the placement group, and placement times out if none does."""
+    hosts = [node for node in nodes if is_host(node, cluster)]
+    if not hosts:
+        raise ConfigError(
+            f"cluster.hosts / devices_per_host are -1 (read from the cluster), but the cluster "
+            f"has no {_host_kind(cluster)} now; it has "
+            f"{describe_nodes(nodes, cluster.host_resource)}. Give cluster.hosts and "
+            "cluster.devices_per_host to have an autoscaler start them"
+        )
+    devices = cluster.devices_per_host
+    if devices == AUTO:
+        resource = device_resource(cluster)
+        counts = {int(node.resources[resource]) for node in hosts}
+        if len(counts) > 1:
+            raise ConfigError(
+                f"the host nodes differ in {resource}s "
+                f"({describe_nodes(hosts, cluster.host_resource)}); set "
+                "cluster.devices_per_host to use that many on each"
+            )
+        devices = counts.pop()
+    return replace(
+        cluster,
+        hosts=len(hosts) if cluster.hosts == AUTO else cluster.hosts,
+        devices_per_host=devices,
+    )
+
+
+def device_resource(cluster: RayClusterConfig) -> str:
+    return "GPU" if cluster.platform == "gpu" else "CPU"
+
+
+def is_host(node: Node, cluster: RayClusterConfig) -> bool:
+    marker = cluster.host_resource or device_resource(cluster)
+    return node.resources.get(marker, 0) >= 1
+
+
+def _host_kind(cluster: RayClusterConfig) -> str:
+    if cluster.host_resource:
+        return f"node carrying the resource {cluster.host_resource!r}"
+    return f"node with {device_resource(cluster)}s"
+
+
+def host_bundle(cluster: ClusterConfig, devices_per_host: int) -> dict[str, float]:
+    """The resources one host's actor holds: on a cluster, all its node's devices."""
+    if cluster.name == "local":
+        return {"CPU": 1.0}  # simulated devices need no Ray resources of their own
+    if cluster.platform == "gpu":
+        bundle = {"CPU": 1.0, "GPU": float(devices_per_host)}
+    else:
+        bundle = {"CPU": float(devices_per_host)}  # a CPU for each simulated device
+    if cluster.host_resource:
+        bundle[cluster.host_resource] = 1.0
+    return bundle
+
+
+def placement_strategy(cluster: ClusterConfig) -> str:
+    # On a real cluster each host is a node; locally every simulated host shares one.
+    return "PACK" if cluster.name == "local" else "STRICT_SPREAD"
+
+
+def describe_nodes(nodes: list[Node], host_resource: str | None = None) -> str:
+    """One entry per node with the resources that decide placement, for error messages."""
+    if not nodes:
+        return "no alive nodes"
+    keys = ["CPU", "GPU", host_resource] if host_resource else ["CPU", "GPU"]
+    entries = []
+    for node in nodes:
+        resources = ", ".join(f"{k} {node.resources[k]:g}" for k in keys if k in node.resources)
+        head = " (head)" if node.head else ""
+        entries.append(f"node {node.node_id[:8]} at {node.address}{head}: {resources or '-'}")
+    return f"{len(nodes)} node(s): " + "; ".join(entries)
