@@ -2,6 +2,7 @@
 
 import os
 import time
+import unicodedata
 
 # Before anything imports jax: this process gets 8 CPU devices for in-process tests.
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -56,3 +57,21 @@ def assert_no_actor_left(within_s: float = 10.0) -> None:
     while (left := alive_actors()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"actors still alive: {[a.class_name for a in left]}"
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from the TensorBoard event files in `log_dir`, read as TensorBoard
+    reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir)).Reload()
+    return {
+        tag: {event.step: event.value for event in events.Scalars(tag)}
+        for tag in events.Tags()["scalars"]
+    }
+
+
+def assert_no_control_characters(text: str) -> None:
+    """Output for a log file or CI: no escape sequences, carriage returns or the like."""
+    found = sorted({char for char in text if unicodedata.category(char) == "Cc"} - {"\n", "\t"})
+    assert not found, f"control characters {found} in output"

@@ -48,6 +48,7 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
             "event": "ready",
             "rows": [rows.start, rows.stop],
             "local_devices": [d.id for d in jax.local_devices()],
+            "mesh_coordinates": mesh_coordinates(grid, process),
             "setup_seconds": time.perf_counter() - started,
         }
     )
@@ -83,6 +84,7 @@ def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, repo
                     "seconds": now - interval_start,
                     "steps": interval_steps,
                     "examples": examples_per_step * interval_steps,
+                    "learning_rate": float(model.optimizer.learning_rate),
                 }
             )
             interval_start = last_beat = now
@@ -91,6 +93,11 @@ def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, repo
             report({"event": "beat", "step": done})
             last_beat = now
     return loss
+
+
+def mesh_coordinates(grid: np.ndarray, process: int) -> list[list[int]]:
+    """(data, model) positions of this process's devices in the mesh."""
+    return [[int(i), int(j)] for (i, j), d in np.ndenumerate(grid) if d.process_index == process]
 
 
 def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:
