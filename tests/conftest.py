@@ -1,6 +1,7 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
 import os
+import struct
 import time
 import unicodedata
 
@@ -75,3 +76,15 @@ def assert_no_control_characters(text: str) -> None:
     """Output for a log file or CI: no escape sequences, carriage returns or the like."""
     found = sorted({char for char in text if unicodedata.category(char) == "Cc"} - {"\n", "\t"})
     assert not found, f"control characters {found} in output"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file that decodes whole."""
+    from PIL import Image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    with Image.open(path) as image:
+        image.load()  # decodes every pixel: a truncated or corrupt file raises here
+        assert image.size == struct.unpack(">II", data[16:24])
+        return image.size
