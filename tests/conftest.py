@@ -44,12 +44,15 @@ def ray_cluster():
 
 
 def alive_actors(class_name: str | None = None) -> list:
+    import ray
     from ray.util.state import list_actors
 
     filters = [("state", "=", "ALIVE")]
     if class_name:
         filters.append(("class_name", "=", class_name))
-    return list_actors(filters=filters)
+    # This session's cluster by address: with none given, the state API asks the cluster
+    # started last on the machine, which need not be ours.
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
 
 
 def assert_no_actor_left(within_s: float = 10.0) -> None:
