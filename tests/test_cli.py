@@ -85,7 +85,7 @@ def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
         assert len(summary["loss_history"]) == 2
     assert "step 4/4" in result.stdout  # plain progress lines when not on a terminal
     assert_no_control_characters(result.stdout + result.stderr)
-    assert re.search(r"^host 1 on .* devices \[2048, 2049, 2050, 2051\]", result.stdout, re.M)
+    assert re.search(r"^host 1 on .* devices 2048 at \(1,0\), 2049 at \(1,1\)", result.stdout, re.M)
 
     # TensorBoard, pointed at the sweep, shows the trials side by side.
     runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "sweep")).Reload().Runs()

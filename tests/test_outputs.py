@@ -105,17 +105,18 @@ def test_a_short_run_logs_hosts_and_writes_tensorboard_scalars_equal_to_its_rows
     assert sorted(logged["loss"]) == [2, 4, 6]
     assert logged["learning_rate"][6] == pytest.approx(1e-3)
 
-    # Each host's start line names its devices and where they sit in the mesh.
+    # Each host's start line names its devices and where each sits in the mesh.
     grid = summary["mesh_devices"]
     for host in (0, 1):
-        devices = [d for r in grid for d in r if summary["device_hosts"][d] == host]
-        coordinates = ", ".join(
-            f"({i},{j})" for i, r in enumerate(grid) for j, d in enumerate(r) if d in devices
-        )
+        placed = [
+            f"{d} at ({i},{j})"
+            for i, r in enumerate(grid)
+            for j, d in enumerate(r)
+            if summary["device_hosts"][d] == host
+        ]
         expected = re.compile(
             rf"host {host} on \S+ \(.+, node \w+, pid \d+\): devices "
-            rf"{re.escape(str(devices))} at mesh \(data,model\) {re.escape(coordinates)}; "
-            r"batch rows \d+:\d+"
+            rf"{re.escape(', '.join(placed))} of the \(data,model\) mesh; batch rows \d+:\d+"
         )
         assert expected.search((tmp_path / RUN_LOG).read_text())
         assert expected.search(out.getvalue())

@@ -47,13 +47,13 @@ def forward_warnings(report: Callable[[dict], None]) -> Iterator[None]:
 
 
 def describe_host(identity: dict) -> str:
-    coordinates = ", ".join(f"({data},{model})" for data, model in identity["mesh_coordinates"])
+    placed = zip(identity["local_devices"], identity["mesh_coordinates"], strict=True)
+    devices = ", ".join(f"{device} at ({data},{model})" for device, (data, model) in placed)
     rows = identity["rows"]
     return (
         f"host {identity['host']} on {identity['hostname']} ({identity['node_ip']}, "
-        f"node {identity['node_id'][:12]}, pid {identity['pid']}): devices "
-        f"{identity['local_devices']} at mesh (data,model) {coordinates}; "
-        f"batch rows {rows[0]}:{rows[1]}"
+        f"node {identity['node_id'][:12]}, pid {identity['pid']}): devices {devices} "
+        f"of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}"
     )
 
 

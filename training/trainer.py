@@ -48,7 +48,7 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
             "event": "ready",
             "rows": [rows.start, rows.stop],
             "local_devices": [d.id for d in jax.local_devices()],
-            "mesh_coordinates": mesh_coordinates(grid, process),
+            "mesh_coordinates": mesh_coordinates(grid, jax.local_devices()),
             "setup_seconds": time.perf_counter() - started,
         }
     )
@@ -95,9 +95,10 @@ def _train_loop(cfg, model, dataset, rows: slice, examples_per_step: float, repo
     return loss
 
 
-def mesh_coordinates(grid: np.ndarray, process: int) -> list[list[int]]:
-    """(data, model) positions of this process's devices in the mesh."""
-    return [[int(i), int(j)] for (i, j), d in np.ndenumerate(grid) if d.process_index == process]
+def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:
+    """Each device's (data, model) position in the mesh, in the order given."""
+    positions = {d.id: [int(i), int(j)] for (i, j), d in np.ndenumerate(grid)}
+    return [positions[d.id] for d in devices]
 
 
 def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:
