@@ -1,7 +1,9 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
 import os
+import struct
 import time
+import unicodedata
 
 # Before anything imports jax: this process gets 8 CPU devices for in-process tests.
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -79,3 +81,33 @@ def assert_no_actor_left(within_s: float = 10.0) -> None:
     while (left := alive_actors()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"actors still alive: {[a.class_name for a in left]}"
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from the TensorBoard event files in `log_dir`, read as TensorBoard
+    reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir)).Reload()
+    return {
+        tag: {event.step: event.value for event in events.Scalars(tag)}
+        for tag in events.Tags()["scalars"]
+    }
+
+
+def assert_no_control_characters(text: str) -> None:
+    """Output for a log file or CI: no escape sequences, carriage returns or the like."""
+    found = sorted({char for char in text if unicodedata.category(char) == "Cc"} - {"\n", "\t"})
+    assert not found, f"control characters {found} in output"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file that decodes whole."""
+    from PIL import Image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    with Image.open(path) as image:
+        image.load()  # decodes every pixel: a truncated or corrupt file raises here
+        assert image.size == struct.unpack(">II", data[16:24])
+        return image.size

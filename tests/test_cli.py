@@ -8,14 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+from tests.conftest import assert_no_control_characters, png_size, read_scalars
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run_module("training.run", *args, cwd=cwd)
+
+
+def run_module(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m module args` as a user runs it, output piped as in CI."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     return subprocess.run(
-        [sys.executable, "-m", "training.run", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -76,3 +84,29 @@ def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
         assert summary["status"] == "completed" and summary["mesh"] == {"data": 2, "model": 4}
         assert len(summary["loss_history"]) == 2
     assert "step 4/4" in result.stdout  # plain progress lines when not on a terminal
+    assert_no_control_characters(result.stdout + result.stderr)
+    assert re.search(r"^host 1 on .* devices 2048 at \(1,0\), 2049 at \(1,1\)", result.stdout, re.M)
+
+    # TensorBoard, pointed at the sweep, shows the trials side by side.
+    runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "sweep")).Reload().Runs()
+    assert sorted(runs) == ["0", "1"]
+    for trial, summary in enumerate(summaries):
+        logged = read_scalars(tmp_path / "sweep" / str(trial))["loss"]
+        assert list(logged.values()) == pytest.approx(summary["loss_history"], rel=1e-6)
+
+    report = run_module("training.report", str(tmp_path / "sweep"), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert_no_control_characters(report.stdout + report.stderr)
+    width, height = png_size(tmp_path / "sweep" / "report.png")
+    assert 600 <= width <= 3000 and 300 <= height <= 2000
+    rows = {line.split()[0]: line.split() for line in report.stdout.splitlines() if line.strip()}
+    for trial, summary in enumerate(summaries):
+        optimizer = summary["config"]["optimizer"]["name"]
+        final_loss = f"{summary['final_loss']:.4f}"
+        assert rows[str(trial)][:5] == [
+            str(trial),
+            f"optimizer={optimizer}",
+            "completed",
+            "4/4",
+            final_loss,
+        ]

@@ -15,6 +15,7 @@ def report(host: int, step: int, loss: float, seconds: float = 1.0, examples: fl
         "seconds": seconds,
         "steps": 2,
         "examples": examples,
+        "learning_rate": 1e-3,
     }
 
 

@@ -29,6 +29,7 @@ from training.cluster import (
 from training.config import ClusterConfig, ConfigError, RunConfig
 from training.display import ProgressDisplay
 from training.host import HostActor, host_environment
+from training.logs import RunLog
 from training.metrics import (
     MetricsLog,
     per_host_step_seconds,
@@ -37,6 +38,7 @@ from training.metrics import (
 )
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.preflight import Plan
+from training.tensorboard import ScalarWriter
 
 POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
@@ -140,6 +142,8 @@ class Coordinator:
     def __init__(self, cfg: RunConfig, plan: Plan, output_dir: Path, display: ProgressDisplay):
         self.cfg, self.plan, self.output_dir, self.display = cfg, plan, output_dir, display
         self.metrics = MetricsLog(plan.hosts, output_dir / "metrics.jsonl")
+        self.log = RunLog(output_dir, display.console)
+        self.scalars = ScalarWriter(output_dir)
         self.timings: dict[str, float] = {}
         self.identities: list[dict] = []
         self._started = time.perf_counter()
@@ -153,9 +157,12 @@ class Coordinator:
             summary = self._summary("completed", results)
         except BaseException as error:
             self._write_summary(self._summary("failed", [], error))
+            self.log.line(f"failed: {type(error).__name__}: {error}", show=False)
             raise
         finally:
             self.metrics.close()
+            self.log.close()
+            self.scalars.close()
         self._write_summary(summary)
         return summary
 
@@ -233,14 +240,21 @@ class Coordinator:
         elif kind == "ready":
             self._check_same_data(host, event["data_fingerprint"])
             self.identities[host].update(
-                {key: event[key] for key in ("rows", "local_devices", "setup_seconds")}
+                {
+                    key: event[key]
+                    for key in ("rows", "local_devices", "mesh_coordinates", "setup_seconds")
+                }
             )
+            self.log.host_started(self.identities[host])
             if host == 0:
                 self._mark("model_built")
+        elif kind == "warning":
+            self.log.host_warning(host, event["message"])
         elif kind == "step":
             record = self.metrics.add(event)
             if record is not None:
                 self.display.logged(record)
+                self.scalars.write(record)
         self.display.advance_to(watchdog.slowest_step())
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:

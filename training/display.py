@@ -3,6 +3,9 @@ the run's closing summary with the device → host map."""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,6 +21,9 @@ class ProgressDisplay:
     def __init__(self, total_steps: int, console: Console | None = None):
         self.console = console or Console()
         self.total_steps = total_steps
+        if not self.console.is_terminal:
+            # Ray colours the prefix of the hosts' streamed output even when it is piped.
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         self._bar: Progress | None = None
         self._task = None
 
@@ -52,12 +58,13 @@ class ProgressDisplay:
 
     def logged(self, record: dict) -> None:
         loss, speed = f"{record['loss']:.4f}", f"{record['examples_per_second']:,.0f}"
-        slowest = record["slowest_host"]
+        slowest = _slowest_host(record)
         if not record["hosts_agree"]:
             self.console.print(
                 f"warning: hosts disagree on the loss at step {record['step']}: "
                 f"{record['per_host_loss']}",
                 highlight=False,
+                soft_wrap=True,
             )
         if self._bar is not None:
             self._bar.update(
@@ -66,9 +73,22 @@ class ProgressDisplay:
         else:
             self.console.print(
                 f"step {record['step']}/{self.total_steps}  loss {loss}  "
-                f"examples/s {speed}  slowest host {slowest}",
+                f"examples/s {speed}  eta {self._eta(record)}  slowest host {slowest}",
                 highlight=False,
+                soft_wrap=True,  # one line per logged step, however narrow the log viewer
             )
+
+    def _eta(self, record: dict) -> timedelta:
+        """The steps left at the slowest host's pace over the last logged interval."""
+        step_seconds = max(record["per_host_step_seconds"])
+        return timedelta(seconds=round((self.total_steps - record["step"]) * step_seconds))
+
+
+def _slowest_host(record: dict) -> str:
+    host = record["slowest_host"]
+    seconds = record["per_host_step_seconds"][host]
+    pace = f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+    return f"{host} ({pace}/step)"
 
 
 def print_summary(summary: dict, console: Console) -> None:

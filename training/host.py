@@ -15,6 +15,7 @@ import time
 import ray
 
 from training.config import RunConfig
+from training.logs import forward_warnings
 from training.strategy import MeshShape
 
 
@@ -63,10 +64,11 @@ class HostActor:
         def report(event: dict) -> None:
             inbox.put({**event, "host": self.host_index, "time": time.time()})
 
-        started = time.perf_counter()
-        self._join_jax_cluster(coordinator, init_timeout_s)
-        report({"event": "joined", "seconds": time.perf_counter() - started})
-        return {"host": self.host_index, **train(cfg, mesh, report)}
+        with forward_warnings(report):
+            started = time.perf_counter()
+            self._join_jax_cluster(coordinator, init_timeout_s)
+            report({"event": "joined", "seconds": time.perf_counter() - started})
+            return {"host": self.host_index, **train(cfg, mesh, report)}
 
     def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
         import jax

@@ -54,6 +54,7 @@ def join_host_reports(reports: list[dict]) -> dict:
         "slowest_host": max(range(len(reports)), key=step_seconds.__getitem__),
         "interval_examples": examples,
         "interval_seconds": interval_seconds,
+        "learning_rate": reports[0]["learning_rate"],
         **_held_out(reports),
     }
 

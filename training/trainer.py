@@ -54,6 +54,7 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
             "event": "ready",
             "rows": [feed.rows.start, feed.rows.stop],
             "local_devices": [d.id for d in jax.local_devices()],
+            "mesh_coordinates": mesh_coordinates(grid, jax.local_devices()),
             "setup_seconds": time.perf_counter() - started,
             "data_fingerprint": dataset.spec.fingerprint,
         }
@@ -121,6 +122,7 @@ def _train_loop(trainer: TrainerConfig, model, feed: HostFeed, examples_per_step
                 "seconds": now - interval_start,
                 "steps": interval_steps,
                 "examples": examples_per_step * interval_steps,
+                "learning_rate": float(model.optimizer.learning_rate),
             }
             if evaluate:
                 event["eval_loss"] = feed.held_out_loss(model)
@@ -132,6 +134,12 @@ def _train_loop(trainer: TrainerConfig, model, feed: HostFeed, examples_per_step
             report({"event": "beat", "step": done})
             last_beat = now
     return loss
+
+
+def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:
+    """Each device's (data, model) position in the mesh, in the order given."""
+    positions = {d.id: [int(i), int(j)] for (i, j), d in np.ndenumerate(grid)}
+    return [positions[d.id] for d in devices]
 
 
 def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:

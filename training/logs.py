@@ -1,0 +1,93 @@
+"""What happened on which host: the run's log and the hosts' warnings.
+
+On each host, Python warnings and logging records of WARNING and above leave through the
+host's report channel instead of its stderr, so Ray's log streaming does not copy them to
+the driver a second time, unlabelled. On the driver, `RunLog` writes each host's start line
+and each distinct warning, labelled with its host, to the console once and to `run.log`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+
+RUN_LOG = "run.log"
+
+
+class _ForwardWarnings(logging.Handler):
+    def __init__(self, report: Callable[[dict], None]):
+        super().__init__(logging.WARNING)
+        self.report = report
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record).strip()
+        self.report({"event": "warning", "source": record.name, "message": message})
+
+
+@contextmanager
+def forward_warnings(report: Callable[[dict], None]) -> Iterator[None]:
+    """Send this process's warnings to `report` as warning events while the block runs.
+
+    The handler on the root logger also stops logging's last-resort stderr output, and
+    `captureWarnings` routes `warnings.warn` through logging."""
+    handler = _ForwardWarnings(report)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+
+
+def describe_host(identity: dict) -> str:
+    placed = zip(identity["local_devices"], identity["mesh_coordinates"], strict=True)
+    devices = ", ".join(f"{device} at ({data},{model})" for device, (data, model) in placed)
+    rows = identity["rows"]
+    return (
+        f"host {identity['host']} on {identity['hostname']} ({identity['node_ip']}, "
+        f"node {identity['node_id'][:12]}, pid {identity['pid']}): devices {devices} "
+        f"of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}"
+    )
+
+
+class RunLog:
+    """The run's log: lines on the driver's console and, with a timestamp, in `run.log`."""
+
+    def __init__(self, run_dir: Path, console: Console):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / RUN_LOG
+        self.console = console
+        self._file = self.path.open("a")
+        self._first_host: dict[str, int] = {}  # warning message -> the host that sent it first
+        self._warned: set[tuple[str, int]] = set()
+
+    def line(self, text: str, show: bool = True) -> None:
+        stamp = datetime.now().isoformat(sep=" ", timespec="milliseconds")
+        self._file.write(f"{stamp} {text}\n".replace("\n", "\n    ").rstrip(" "))
+        self._file.flush()
+        if show:
+            self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def host_started(self, identity: dict) -> None:
+        self.line(describe_host(identity))
+
+    def host_warning(self, host: int, message: str) -> None:
+        """Show each distinct warning once; a repeat from another host goes to the file only."""
+        if (message, host) in self._warned:
+            return
+        self._warned.add((message, host))
+        first = self._first_host.setdefault(message, host)
+        if first == host:
+            self.line(f"warning from host {host}: {message}")
+        else:
+            self.line(f"warning from host {host} (as host {first}): {message}", show=False)
+
+    def close(self) -> None:
+        self._file.close()

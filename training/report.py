@@ -1,0 +1,189 @@
+"""`python -m training.report DIR`: a run's or a sweep's curves in a PNG, and a short table.
+
+DIR is a run directory (it holds metrics.jsonl or summary.json) or a directory with runs
+below it, such as a Hydra multirun sweep. The PNG shows the loss (and the held-out loss,
+where rows have it) against step and each host's step time, every run of a sweep in its
+own colour; the table gives each run's status, final loss and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from omegaconf import OmegaConf
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+RUN_FILES = ("metrics.jsonl", "summary.json")
+HELD_OUT = "eval_loss"
+HOST_LINESTYLES = ("-", "--", ":", "-.")
+
+
+class ReportError(ValueError):
+    """A directory that holds no run."""
+
+
+@dataclass
+class Run:
+    label: str
+    records: list[dict]
+    summary: dict | None  # None while the run is going, or if it was killed before the end
+
+    @property
+    def status(self) -> str:
+        return self.summary["status"] if self.summary else "no summary"
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.summary["final_loss"] if self.summary else self.last("loss")
+
+    def series(self, field: str) -> tuple[list[int], list]:
+        """(steps, values) of the rows that have `field`."""
+        rows = [r for r in self.records if field in r]
+        return [r["step"] for r in rows], [r[field] for r in rows]
+
+    def last(self, field: str):
+        values = self.series(field)[1]
+        return values[-1] if values else None
+
+
+def load_run(run_dir: Path, label: str) -> Run:
+    metrics, summary = (run_dir / name for name in RUN_FILES)
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if metrics.exists()
+        else []
+    )
+    return Run(label, records, json.loads(summary.read_text()) if summary.exists() else None)
+
+
+def find_runs(directory: Path) -> list[Run]:
+    """The run in `directory`, or every run below it in natural order (trial 2 before 10)."""
+    if not directory.is_dir():
+        raise ReportError(f"{directory} is not a directory")
+    if any((directory / name).exists() for name in RUN_FILES):
+        return [load_run(directory, directory.name)]
+    run_dirs = sorted(
+        {path.parent for name in RUN_FILES for path in directory.rglob(name)},
+        key=lambda path: _natural(path.relative_to(directory)),
+    )
+    if not run_dirs:
+        raise ReportError(
+            f"{directory} is neither a run directory (it has no {' or '.join(RUN_FILES)}) "
+            "nor a directory with runs below it, such as a multirun sweep"
+        )
+    labels = _trial_labels(directory, run_dirs)
+    return [load_run(path, label) for path, label in zip(run_dirs, labels, strict=True)]
+
+
+def _natural(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def _trial_labels(sweep: Path, run_dirs: list[Path]) -> list[str]:
+    """Each trial's path in the sweep and the Hydra overrides that set it apart."""
+    overrides = [_overrides(path) for path in run_dirs]
+    shared = set.intersection(*map(set, overrides))
+    return [
+        " ".join([str(path.relative_to(sweep)), *(o for o in own if o not in shared)])
+        for path, own in zip(run_dirs, overrides, strict=True)
+    ]
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.exists() else []
+
+
+def plot(runs: list[Run], title: str) -> Figure:
+    """Loss against step on the left, each host's step time on the right."""
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    loss_axes, time_axes = figure.subplots(1, 2)
+    several = len(runs) > 1
+    for index, run in enumerate(runs):
+        prefix = f"{run.label}: " if several else ""
+        color = f"C{index % 10}"
+        loss_axes.plot(*run.series("loss"), color=color, label=f"{prefix}loss")
+        if run.last(HELD_OUT) is not None:
+            loss_axes.plot(
+                *run.series(HELD_OUT), "o--", color=color, label=f"{prefix}held-out loss"
+            )
+        steps, per_host = run.series("per_host_step_seconds")
+        for host, seconds in enumerate(zip(*per_host, strict=True)):
+            time_axes.plot(
+                steps,
+                [s * 1000 for s in seconds],
+                HOST_LINESTYLES[host % len(HOST_LINESTYLES)] if several else "-",
+                color=color if several else f"C{host % 10}",
+                label=f"{prefix}host {host}",
+            )
+    loss_axes.set(xlabel="step", ylabel="loss", title="loss")
+    # The first logged interval also pays for compilation: a log scale keeps both visible.
+    time_axes.set(xlabel="step", ylabel="ms per step", yscale="log", title="step time per host")
+    for axes in (loss_axes, time_axes):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            axes.legend(fontsize="small")
+    figure.suptitle(title)
+    return figure
+
+
+def table(runs: list[Run]) -> Table:
+    held_out = any(run.last(HELD_OUT) is not None for run in runs)
+    columns = ["run", "status", "steps", "final loss"]
+    columns += ["held-out loss"] if held_out else []
+    columns += ["examples/s", "wall s"]
+    grid = Table(*columns, box=box.SIMPLE)
+    for column in grid.columns[2:]:
+        column.justify = "right"
+    for run in runs:
+        summary = run.summary or {}
+        steps = f"{run.last('step') or 0}/{summary.get('steps', '?')}"
+        # Text, not markup: overrides such as `rules={a:[null,model]}` hold brackets.
+        row = [Text(run.label), run.status, steps, _number(run.final_loss, ".4f")]
+        row += [_number(run.last(HELD_OUT), ".4f")] if held_out else []
+        row += [
+            _number(summary.get("examples_per_second"), ",.0f"),
+            _number(summary.get("wall_seconds"), ".1f"),
+        ]
+        grid.add_row(*row)
+    return grid
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.report",
+        description="Plot a run's or a sweep's curves into a PNG and print a short table.",
+    )
+    parser.add_argument("directory", type=Path, help="a run directory or a multirun directory")
+    parser.add_argument("-o", "--output", type=Path, help="the PNG (default: DIRECTORY/report.png)")
+    args = parser.parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        runs = find_runs(args.directory)
+    except ReportError as error:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {error}")
+        return 2
+    output = args.output or args.directory / "report.png"
+    plot(runs, str(args.directory)).savefig(output, dpi=100)
+    console.print(table(runs))
+    console.print(f"report: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
