@@ -27,6 +27,11 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        _require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")
+
+
 @dataclass
 class StrategyConfig:
     name: str = MISSING
@@ -63,8 +68,7 @@ class MLPConfig:
     depth: int = 2
 
     def __post_init__(self) -> None:
-        for key in ("d_model", "hidden", "depth"):
-            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1")
+        _require_positive(self, "model", ("d_model", "hidden", "depth"))
 
 
 @dataclass
@@ -79,8 +83,9 @@ class TransformerConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("layers", "d_model", "heads", "d_ff", "vocab_size", "seq_len"):
-            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1")
+        _require_positive(
+            self, "model", ("layers", "d_model", "heads", "d_ff", "vocab_size", "seq_len")
+        )
         _require(
             self.d_model % self.heads == 0,
             f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}",
@@ -97,8 +102,7 @@ class SyntheticDataConfig:
     seed: int = 1234  # seeds the task itself, so it stays fixed when trainer.seed changes
 
     def __post_init__(self) -> None:
-        for key in ("features", "classes", "examples", "held_out_examples"):
-            _require(getattr(self, key) >= 1, f"data.{key} must be >= 1")
+        _require_positive(self, "data", ("features", "classes", "examples", "held_out_examples"))
 
 
 @dataclass
@@ -195,8 +199,11 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimizer step: global_batch / accumulate each
 
     def __post_init__(self) -> None:
-        for key in ("steps", "global_batch", "log_interval", "eval_interval", "accumulate"):
-            _require(getattr(self, key) >= 1, f"trainer.{key} must be >= 1")
+        _require_positive(
+            self,
+            "trainer",
+            ("steps", "global_batch", "log_interval", "eval_interval", "accumulate"),
+        )
         _require(self.eval_batches >= 0, "trainer.eval_batches must be >= 0 (0: no evaluation)")
         _require(
             self.precision in PRECISIONS,
