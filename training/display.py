@@ -66,6 +66,13 @@ class ProgressDisplay:
                 highlight=False,
                 soft_wrap=True,
             )
+        if "eval_loss" in record:
+            self.console.print(
+                f"step {record['step']}: held-out loss {record['eval_loss']:.4f}, "
+                f"perplexity {record['eval_perplexity']:.2f}",
+                highlight=False,
+                soft_wrap=True,
+            )
         if self._bar is not None:
             self._bar.update(
                 self._task, completed=record["step"], loss=loss, speed=speed, slowest=slowest
@@ -105,8 +112,15 @@ def print_summary(summary: dict, console: Console) -> None:
         f"final loss {summary['final_loss']:.4f} · {summary['examples_per_second']:,.0f} "
         f"examples/s · {summary['wall_seconds']:.1f}s · parameters "
         f"{summary['parameter_bytes_per_device']:,} bytes per device of "
-        f"{summary['parameter_bytes_total']:,}"
+        f"{summary['parameter_bytes_total']:,} ({summary['parameter_bytes_replicated']:,} "
+        "replicated on every device)"
     )
+    if summary["eval_loss"] is not None:
+        lines.append(
+            f"held-out loss {summary['eval_loss']:.4f} · perplexity "
+            f"{summary['eval_perplexity']:.2f} · baseline (label frequencies only) "
+            f"{summary['baseline_eval_loss']:.4f}"
+        )
     console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
