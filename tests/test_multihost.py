@@ -180,7 +180,14 @@ def test_a_host_silent_during_setup_is_caught_too(ray_cluster, tmp_path):
     assert_no_actor_left()
 
 
-TRANSFORMER = ["model=transformer", "data=text", "trainer.log_interval=1"]
+TRANSFORMER = [
+    "model=transformer",
+    "data=text",
+    "model.d_model=64",
+    "model.d_ff=256",
+    "model.seq_len=64",
+    "trainer.log_interval=1",
+]
 
 
 def test_transformer_under_hybrid_learns_what_data_parallel_does(ray_cluster, tmp_path):

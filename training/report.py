@@ -138,6 +138,9 @@ def plot(runs: list[Run], title: str) -> Figure:
     return figure
 
 
+WIDE_OUTPUT = 1000  # columns
+
+
 def table(runs: list[Run]) -> Table:
     held_out = any(run.last(HELD_OUT) is not None for run in runs)
     columns = ["run", "status", "steps", "final loss"]
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="the PNG (default: DIRECTORY/report.png)")
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # a log or a pipe: every row on one line, however wide
+        console.width = WIDE_OUTPUT
     try:
         runs = find_runs(args.directory)
     except ReportError as error:

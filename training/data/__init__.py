@@ -51,7 +51,12 @@ def prior_cross_entropy(train_labels: np.ndarray, held_out_labels: np.ndarray, c
 
 
 def build_dataset(data_cfg: DataConfig) -> Dataset:
-    from training.data import synthetic, text
+    return DATASETS[data_cfg.name](data_cfg)
 
-    builders = {"synthetic": synthetic.SyntheticClassification, "text": text.TextCorpus}
-    return builders[data_cfg.name](data_cfg)
+
+# Imported with the package, not when first used: the datasets' modules use the helpers above,
+# and a Ray job's working directory may be re-extracted under a running driver (several nodes
+# of one machine share it), so nothing should be imported late.
+from training.data import synthetic, text  # noqa: E402
+
+DATASETS = {"synthetic": synthetic.SyntheticClassification, "text": text.TextCorpus}
