@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
 PRECISIONS = ("float32", "bfloat16")
+NAN_POLICIES = ("stop",)
 AUTO = -1  # a mesh axis of this size takes all remaining devices
 
 
@@ -221,13 +222,41 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of the whole training state; an empty `dir` turns them off."""
+
+    dir: str = ""  # a run whose dir already holds a checkpoint resumes from the newest one
+    interval: int = 50  # steps between checkpoints; the last step and a preemption save too
+    keep: int = 3  # the newest this many are kept, older ones deleted
+
+    def __post_init__(self) -> None:
+        _require(self.interval >= 1, "checkpoint.interval must be >= 1")
+        _require(self.keep >= 1, "checkpoint.keep must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+
+@dataclass
 class FaultConfig:
     # A host that reports no progress for this long is declared stuck; JAX's own heartbeat
     # only catches dead processes, and Ray's timeouts are tens of minutes.
     timeout_s: float = 180.0
+    # Fresh host groups started after a host dies or stalls, each resuming from the newest
+    # checkpoint (needs checkpoint.dir); 0 fails the run at the first lost host.
+    max_restarts: int = 0
+    # A NaN or infinite loss stops the run, naming the step; the checkpoints so far (all
+    # saved from finite losses) are kept.
+    on_nan: str = "stop"
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, "fault.timeout_s must be > 0")
+        _require(self.max_restarts >= 0, "fault.max_restarts must be >= 0")
+        _require(
+            self.on_nan in NAN_POLICIES,
+            f"fault.on_nan={self.on_nan!r} is not one of {', '.join(NAN_POLICIES)}",
+        )
 
 
 ModelConfig = MLPConfig | TransformerConfig
@@ -247,7 +276,15 @@ class RunConfig:
     optimizer: Any = MISSING
     cluster: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.fault.max_restarts == 0 or self.checkpoint.enabled,
+            f"fault.max_restarts={self.fault.max_restarts} needs checkpoint.dir: a fresh host "
+            "group resumes from the newest checkpoint",
+        )
 
 
 SCHEMAS = {
@@ -258,6 +295,7 @@ SCHEMAS = {
     "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
     "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
     "trainer": {"trainer": TrainerConfig},
+    "checkpoint": {"checkpoint": CheckpointConfig},
 }
 
 

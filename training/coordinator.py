@@ -8,8 +8,11 @@ its processes.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from training.checkpoint import directory_bytes, newest_step
 from training.cluster import (
     alive_nodes,
     describe_nodes,
@@ -42,6 +46,7 @@ from training.tensorboard import ScalarWriter
 
 POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _outcome(ref) -> tuple[dict | None, Exception | None]:
@@ -56,7 +61,15 @@ def _outcome(ref) -> tuple[dict | None, Exception | None]:
 
 
 class HostFailure(RuntimeError):
-    """A host died, raised, or stopped making progress; the run was stopped."""
+    """A host died, raised, or stopped making progress; the run was stopped.
+
+    `restartable` failures (a host lost or silent) may be recovered by a fresh host group;
+    a host that raised (a NaN loss, a bad checkpoint) would raise again."""
+
+    def __init__(self, message: str, restartable: bool = False, silent_s: float = 0.0):
+        super().__init__(message)
+        self.restartable = restartable
+        self.silent_s = silent_s  # how long the failed host had said nothing when noticed
 
 
 @dataclass
@@ -131,11 +144,19 @@ class Watchdog:
             )
             raise HostFailure(
                 f"no progress reported by {details}; fault.timeout_s={self.timeout_s:g}; "
-                "stopped all hosts"
+                "stopped all hosts",
+                restartable=True,
+                silent_s=max(self.silent_for(h) for h in silent),
             )
+
+    def silent_for(self, host: int) -> float:
+        return time.monotonic() - self.last_seen[host]
 
     def slowest_step(self) -> int:
         return min(self.last_step)
+
+    def furthest_step(self) -> int:
+        return max(self.last_step)
 
 
 class Coordinator:
@@ -146,15 +167,18 @@ class Coordinator:
         self.scalars = ScalarWriter(output_dir)
         self.timings: dict[str, float] = {}
         self.identities: list[dict] = []
+        self.restarts: list[dict] = []
+        self.watchdog = Watchdog(plan.hosts, cfg.fault.timeout_s)
+        self.stop_signal: int | None = None
         self._started = time.perf_counter()
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
         try:
-            with ray_session(self.cfg.cluster):
+            with ray_session(self.cfg.cluster), _signals_handled_by(self._on_signal):
                 self._mark("ray_ready")
-                results = self._run_host_group()
-            summary = self._summary("completed", results)
+                results = self._run_with_restarts()
+            summary = self._summary(self._status(results), results)
         except BaseException as error:
             self._write_summary(self._summary("failed", [], error))
             self.log.line(f"failed: {type(error).__name__}: {error}", show=False)
@@ -165,6 +189,60 @@ class Coordinator:
             self.scalars.close()
         self._write_summary(summary)
         return summary
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """SIGTERM or SIGINT: with checkpoints, have every host save and return; without (or
+        at the second signal), stop the hosts at once."""
+        if not self.cfg.checkpoint.enabled or self.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        self.log.line(
+            f"{signal.Signals(signum).name}: hosts checkpoint at the current step and stop "
+            "(send it again to stop them without a checkpoint)"
+        )
+
+    def _status(self, results: list[dict]) -> str:
+        reached = min(r["reached_step"] for r in results)
+        return "completed" if reached >= self.cfg.trainer.steps else "preempted"
+
+    def _run_with_restarts(self) -> list[dict]:
+        """Run host groups until one finishes; after a lost host, start a fresh group that
+        resumes from the newest checkpoint, at most fault.max_restarts times."""
+        while True:
+            try:
+                return self._run_host_group()
+            except HostFailure as failure:
+                detected = time.monotonic()
+                allowed = self.cfg.fault.max_restarts
+                if not failure.restartable or allowed == 0:
+                    raise
+                if len(self.restarts) >= allowed:
+                    raise HostFailure(
+                        f"{failure}; no restart left (fault.max_restarts={allowed})"
+                    ) from failure
+                self._prepare_restart(failure, detected)
+
+    def _prepare_restart(self, failure: HostFailure, detected: float) -> None:
+        resume = newest_step(self.cfg.checkpoint) or 0
+        reached = self.watchdog.furthest_step()
+        self.restarts.append(
+            {
+                "error": str(failure),
+                "failed_at_step": reached,
+                "resumed_from_step": resume,
+                "steps_redone": max(reached - resume, 0),
+                # From the failed host's last report to the coordinator noticing.
+                "detection_seconds": failure.silent_s,
+                # From noticing to the fresh group's first step (set when it reports).
+                "recovery_seconds": None,
+                "_detected": detected,
+            }
+        )
+        self.metrics.rewind(resume)
+        self.log.line(
+            f"restart {len(self.restarts)}/{self.cfg.fault.max_restarts}: {failure}; "
+            f"starting a fresh host group from the checkpoint at step {resume}"
+        )
 
     def _run_host_group(self) -> list[dict]:
         group = HostGroup.start(self.cfg.cluster, self.plan)
@@ -179,22 +257,27 @@ class Coordinator:
                 actor.train.remote(self.cfg, self.plan.mesh, coordinator, inbox, init_timeout): host
                 for host, actor in enumerate(group.actors)
             }
-            return self._supervise(calls, inbox)
+            return self._supervise(calls, inbox, group.actors)
         finally:
             group.shutdown()
             inbox.shutdown()
 
-    def _supervise(self, calls: dict, inbox: Queue) -> list[dict]:
-        watchdog = Watchdog(self.plan.hosts, self.cfg.fault.timeout_s)
+    def _supervise(self, calls: dict, inbox: Queue, actors: list) -> list[dict]:
+        self.watchdog = watchdog = Watchdog(self.plan.hosts, self.cfg.fault.timeout_s)
         results: dict[int, dict] = {}
+        stop_sent = False
         with self.display:
             while len(results) < len(calls):
+                if self.stop_signal is not None and not stop_sent:
+                    for actor in actors:
+                        actor.request_stop.remote()
+                    stop_sent = True
                 pending = [ref for ref, host in calls.items() if host not in results]
                 finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
                 for ref in finished:
                     result, error = _outcome(ref)
                     if error is not None:
-                        self._report_failures(calls, pending)
+                        self._report_failures(calls, pending, calls[ref])
                     results[calls[ref]] = result
                 self._drain(inbox, watchdog)
                 for host in results:
@@ -203,15 +286,20 @@ class Coordinator:
             self._drain(inbox, watchdog)
         return [results[h] for h in range(len(calls))]
 
-    def _report_failures(self, calls: dict, pending: list) -> None:
+    def _report_failures(self, calls: dict, pending: list, first: int) -> None:
         """Raise one HostFailure naming the root cause first.
 
         When a host dies, its peers fail moments later inside a collective; wait briefly for
         those so that the death, not the peers' connection errors, leads the message."""
+        silent_s = self.watchdog.silent_for(first)
         ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
         failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
         failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
-        raise HostFailure("; then ".join(self._describe(h, e) for h, e in failures))
+        raise HostFailure(
+            "; then ".join(self._describe(h, e) for h, e in failures),
+            restartable=isinstance(failures[0][1], RayActorError),
+            silent_s=silent_s,
+        )
 
     def _describe(self, host: int, error: Exception) -> str:
         if isinstance(error, RayActorError):
@@ -235,6 +323,7 @@ class Coordinator:
         watchdog.saw(host, event.get("step"))
         if event.get("step"):  # a beat or a logged step: some host finished its first step
             self._mark("first_step")
+            self._mark_recovered()
         if kind == "joined" and host == 0:
             self._mark("jax_cluster_joined")
         elif kind == "ready":
@@ -256,6 +345,11 @@ class Coordinator:
                 self.display.logged(record)
                 self.scalars.write(record)
         self.display.advance_to(watchdog.slowest_step())
+
+    def _mark_recovered(self) -> None:
+        if self.restarts and self.restarts[-1]["recovery_seconds"] is None:
+            last = self.restarts[-1]
+            last["recovery_seconds"] = time.monotonic() - last.pop("_detected")
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.plan.data_spec.fingerprint:
@@ -292,6 +386,12 @@ class Coordinator:
             "wall_seconds": time.perf_counter() - self._started,
             "phase_seconds": self.timings,
             "host_identities": self.identities,
+            "resumed_from_step": plan.resume_step or 0,
+            "restarts": len(self.restarts),
+            "failures": [
+                {k: v for k, v in r.items() if not k.startswith("_")} for r in self.restarts
+            ],
+            **self._checkpoint_summary(results),
             "config": asdict(cfg),
         }
         if results:
@@ -301,9 +401,35 @@ class Coordinator:
             summary["traceback"] = traceback.format_exception(error)
         return summary
 
+    def _checkpoint_summary(self, results: list[dict]) -> dict:
+        if not self.cfg.checkpoint.enabled:
+            return {}
+        summary = {"checkpoint_dir": str(Path(self.cfg.checkpoint.dir).absolute())}
+        if results and (step := newest_step(self.cfg.checkpoint)) is not None:
+            summary["checkpoint_step"] = step
+            summary["checkpoint_bytes"] = directory_bytes(self.cfg.checkpoint, step)
+        if self.stop_signal is not None:
+            summary["stopped_by"] = signal.Signals(self.stop_signal).name
+        return summary
+
     def _write_summary(self, summary: dict) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.output_dir / "summary.json", summary)
+
+
+@contextmanager
+def _signals_handled_by(handler):
+    """SIGTERM and SIGINT go to `handler` while the hosts run (main thread only: Python
+    delivers signals there, and a run started from another thread keeps the defaults)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, former in previous.items():
+            signal.signal(signum, former)
 
 
 def _held_out_summary(records: list[dict], baseline_loss: float) -> dict:

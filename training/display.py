@@ -121,6 +121,12 @@ def print_summary(summary: dict, console: Console) -> None:
             f"{summary['eval_perplexity']:.2f} · baseline (label frequencies only) "
             f"{summary['baseline_eval_loss']:.4f}"
         )
+    if "checkpoint_step" in summary:
+        lines.append(
+            f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "
+            f"({summary['checkpoint_bytes']:,} bytes) · resumed from step "
+            f"{summary['resumed_from_step']} · {_count(summary['restarts'], 'restart')}"
+        )
     console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 

@@ -32,12 +32,19 @@ def host_environment(platform: str, devices_per_host: int) -> dict[str, str]:
     }
 
 
-@ray.remote
+# Two threads: `request_stop` must run while `train` is busy.
+@ray.remote(max_concurrency=2)
 class HostActor:
     def __init__(self, host_index: int, num_hosts: int, platform: str):
         self.host_index = host_index
         self.num_hosts = num_hosts
         self.platform = platform
+        self._stop = threading.Event()
+
+    def request_stop(self) -> None:
+        """Checkpoint and return after the current step (the driver is being preempted); the
+        training loop polls this between steps."""
+        self._stop.set()
 
     def identity(self) -> dict:
         context = ray.get_runtime_context()
@@ -68,7 +75,7 @@ class HostActor:
             started = time.perf_counter()
             self._join_jax_cluster(coordinator, init_timeout_s)
             report({"event": "joined", "seconds": time.perf_counter() - started})
-            return {"host": self.host_index, **train(cfg, mesh, report)}
+            return {"host": self.host_index, **train(cfg, mesh, report, self._stop.is_set)}
 
     def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
         import jax

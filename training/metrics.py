@@ -35,6 +35,12 @@ class MetricsLog:
         self._file.flush()
         return record
 
+    def rewind(self, step: int) -> None:
+        """Forget records after `step` and half-joined reports: a fresh host group redoes
+        them from the checkpoint at `step`. The file keeps every row as it was logged."""
+        self.records = [r for r in self.records if r["step"] <= step]
+        self._pending.clear()
+
     def close(self) -> None:
         self._file.close()
 

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from training import models
+from training.checkpoint import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.data import DataSpec, build_dataset
 from training.models import LayoutRules, VariableInfo
@@ -21,6 +22,7 @@ class Plan:
     devices_per_host: int
     data_spec: DataSpec
     variables: tuple[VariableInfo, ...]
+    resume_step: int | None = None  # the newest checkpoint's, when checkpoint.dir has one
 
 
 def preflight(cfg: RunConfig) -> Plan:
@@ -34,7 +36,8 @@ def preflight(cfg: RunConfig) -> Plan:
         check_layout_rules(
             models.layout_rules(cfg.model, cfg.strategy.layout_rules), variables, mesh
         )
-    return Plan(mesh, hosts, per_host, data_spec, tuple(variables))
+    resume_step = inspect_checkpoints(cfg, variables) if cfg.checkpoint.enabled else None
+    return Plan(mesh, hosts, per_host, data_spec, tuple(variables), resume_step)
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:

@@ -47,13 +47,18 @@ def main(cfg: DictConfig) -> None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        run_training(cfg, output_dir)
+        summary = run_training(cfg, output_dir)
     except (ConfigError, HostFailure) as error:
         errors.print(f"error: {error}")
         sys.exit(2)
     except KeyboardInterrupt:
         errors.print(f"interrupted: hosts stopped; what was logged is in {output_dir}")
         sys.exit(130)
+    if summary["status"] == "preempted":
+        errors.print(
+            f"stopped by {summary['stopped_by']} after step {summary['checkpoint_step']}, "
+            f"checkpointed in {summary['checkpoint_dir']}: the same command resumes from it"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Nothing here knows about Ray: progress leaves through the `report` callback.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from training import models
+from training.checkpoint import HostCheckpoints
 from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
 from training.optimizers import build_optimizer
@@ -31,11 +33,16 @@ BEAT_SECONDS = 1.0  # how often a host says it is alive between logged steps
 DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
-def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite; the run stops rather than train on garbage."""
+
+
+def build_training(cfg: RunConfig, mesh: MeshShape):
+    """Set this process's distribution and build the compiled model with its optimizer's
+    variables, ready to train or to be restored into; return (model, dataset, device grid)."""
     import jax
     import keras
 
-    started = time.perf_counter()
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
     keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
@@ -46,6 +53,26 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
     model = models.build_model(cfg.model, dataset.spec)
     optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
     model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
+    # Built now rather than at the first step, so that a checkpoint can be restored into it.
+    optimizer.build(model.trainable_variables)
+    return model, dataset, grid
+
+
+def _never() -> bool:
+    return False
+
+
+def train(
+    cfg: RunConfig, mesh: MeshShape, report: Report, stop_requested: Callable[[], bool] = _never
+) -> dict:
+    """Train from the newest checkpoint (or from scratch) to trainer.steps, or until the
+    driver asks every host to checkpoint and stop."""
+    import jax
+
+    started = time.perf_counter()
+    model, dataset, grid = build_training(cfg, mesh)
+    checkpoints = HostCheckpoints(cfg, model) if cfg.checkpoint.enabled else None
+    start = checkpoints.restore_newest() if checkpoints else 0
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
@@ -57,18 +84,67 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
             "mesh_coordinates": mesh_coordinates(grid, jax.local_devices()),
             "setup_seconds": time.perf_counter() - started,
             "data_fingerprint": dataset.spec.fingerprint,
+            "resumed_from_step": start,
         }
     )
     examples_per_step = _distinct_examples(grid, cfg.trainer.global_batch, process)
-    final_loss = _train_loop(cfg.trainer, model, feed, examples_per_step, report)
+    guard = StepGuard(cfg.trainer.steps, cfg.checkpoint.interval, checkpoints, stop_requested)
+    final_loss, reached = _train_loop(
+        cfg.trainer, model, feed, examples_per_step, report, start, guard
+    )
+    if checkpoints:
+        checkpoints.close()
     return {
         "final_loss": final_loss,
+        "resumed_from_step": start,
+        "reached_step": reached,
         "variables": describe_variables(model.variables),
         "optimizer_variables": describe_variables(model.optimizer.variables),
         "mesh_devices": [[d.id for d in row] for row in grid],
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
         "model_groups_within_hosts": model_groups_within_hosts(grid),
     }
+
+
+@dataclass(frozen=True)
+class StepGuard:
+    """What happens after each step: a non-finite loss stops the run, checkpoints are saved
+    on schedule, and a stop asked of any host stops all of them at the same step."""
+
+    steps: int
+    interval: int
+    checkpoints: HostCheckpoints | None
+    stop_requested: Callable[[], bool]
+
+    def after(self, step: int, loss: float) -> bool:
+        """Check and save after `step` steps; True means stop now (checkpoint saved)."""
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(self._non_finite(step, loss))
+        if self.checkpoints is None:
+            return False
+        stop = _any_host(self.stop_requested())
+        if stop or step % self.interval == 0 or step == self.steps:
+            self.checkpoints.save(step)
+        return stop
+
+    def _non_finite(self, step: int, loss: float) -> str:
+        kept = "no checkpoint was configured (checkpoint.dir)"
+        if self.checkpoints is not None:
+            saved = self.checkpoints.saved_step
+            kept = (
+                f"the last good checkpoint, step {saved} in {self.checkpoints.cfg.dir}, is kept"
+                if saved is not None
+                else "no checkpoint had been saved yet"
+            )
+        return f"the loss is {loss} at step {step}; stopped training; {kept}"
+
+
+def _any_host(flag: bool) -> bool:
+    """Whether `flag` is set on any host: hosts must agree on a stop, or those going on
+    would wait forever in the next step's collectives for those that left."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag], np.int32))))
 
 
 @dataclass(frozen=True)
@@ -103,16 +179,27 @@ class HostFeed:
         return sum(float(loss) for loss in losses) / len(losses)
 
 
-def _train_loop(trainer: TrainerConfig, model, feed: HostFeed, examples_per_step, report) -> float:
-    """Train every step; report each logged step and a beat at least every BEAT_SECONDS."""
+def _train_loop(
+    trainer: TrainerConfig,
+    model,
+    feed: HostFeed,
+    examples_per_step,
+    report,
+    start: int,
+    guard: StepGuard,
+) -> tuple[float | None, int]:
+    """Train from step `start`; report each logged step and a beat at least every
+    BEAT_SECONDS. Return the last loss (None if no step was left) and the step reached."""
     interval_start = last_beat = time.perf_counter()
     interval_steps = 0
-    for step in range(trainer.steps):
+    loss, done = None, start
+    for step in range(start, trainer.steps):
         loss = feed.train_step(model, step)
         interval_steps += 1
-        now = time.perf_counter()
         done = step + 1
-        last = done == trainer.steps
+        stop = guard.after(done, loss)
+        now = time.perf_counter()
+        last = done == trainer.steps or stop
         evaluate = trainer.eval_batches > 0 and (done % trainer.eval_interval == 0 or last)
         if done % trainer.log_interval == 0 or last or evaluate:
             event = {
@@ -133,7 +220,9 @@ def _train_loop(trainer: TrainerConfig, model, feed: HostFeed, examples_per_step
         elif now - last_beat >= BEAT_SECONDS:
             report({"event": "beat", "step": done})
             last_beat = now
-    return loss
+        if stop:
+            break
+    return loss, done
 
 
 def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:

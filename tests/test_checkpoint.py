@@ -1,0 +1,139 @@
+"""Checkpoints in one process on the 8 test devices: resharded restore, and the driver's
+checks of a checkpoint directory (another model, corrupt, unwritable, an interrupted save)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import FAST, run_config
+from training.checkpoint import HostCheckpoints, inspect_checkpoints
+from training.config import ConfigError
+from training.preflight import preflight
+from training.strategy import MeshShape
+from training.trainer import build_training
+
+HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
+
+
+def trained_checkpoint(directory: Path, steps: int = 2, overrides=()) -> dict[str, np.ndarray]:
+    """Train `steps` steps under a (2, 4) mesh, save them; return every saved value."""
+    cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={directory}", *overrides])
+    model, dataset, _ = build_training(cfg, MeshShape(2, 4))
+    for step in range(steps):
+        model.train_on_batch(*dataset.batch("train", step, cfg.trainer.global_batch, slice(0, 32)))
+    checkpoints = HostCheckpoints(cfg, model)
+    checkpoints.save(steps)
+    checkpoints.close()
+    return values(model)
+
+
+def values(model) -> dict[str, np.ndarray]:
+    # By position: a second model in one process gets uniquified names (adam_1/...).
+    return {
+        f"{group}[{i}]": np.asarray(v.value)
+        for group, vs in (("model", model.variables), ("optimizer", model.optimizer.variables))
+        for i, v in enumerate(vs)
+    }
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mesh"),
+    [
+        (["strategy=hybrid", "mesh.data=4", "mesh.model=2"], MeshShape(4, 2)),
+        (["strategy=data_parallel"], MeshShape(8, 1)),
+    ],
+)
+def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, mesh):
+    saved = trained_checkpoint(tmp_path)
+    cfg = run_config(FAST + overrides + [f"checkpoint.dir={tmp_path}"])
+    model, _, grid = build_training(cfg, mesh)
+    fresh = values(model)
+    assert HostCheckpoints(cfg, model).restore_newest() == 2
+    restored = values(model)
+    assert restored.keys() == saved.keys()
+    assert any(not np.array_equal(fresh[k], saved[k]) for k in saved)  # training changed them
+    for key, value in saved.items():
+        np.testing.assert_array_equal(restored[key], value, err_msg=key)
+    kernel = next(v for v in model.variables if v.path == "block_0_up/kernel")
+    expected = "P(None, 'model')" if mesh.model > 1 else "P(None, None)"
+    assert str(kernel.value.sharding.spec) == expected
+    assert kernel.value.sharding.mesh.devices.size == grid.size == 8
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+    trained_checkpoint(tmp_path)
+    before = snapshot(tmp_path)
+    cfg = run_config(FAST + [f"checkpoint.dir={tmp_path}", "model.hidden=128", "optimizer=sgd"])
+    with pytest.raises(ConfigError, match="of a different model") as error:
+        preflight(cfg)
+    message = str(error.value)
+    assert "optimizer 'adam' in the checkpoint, 'sgd' now" in message
+    assert "block_0_up/kernel has shape [64, 256] in the checkpoint, [64, 128] now" in message
+    assert snapshot(tmp_path) == before
+
+
+def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
+    trained_checkpoint(tmp_path)
+    (tmp_path / "2" / "state" / "_METADATA").write_text("{ not json")
+    before = snapshot(tmp_path)
+    cfg = run_config(FAST + [f"checkpoint.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="checkpoint at step 2 .* cannot be read .*Nothing was"):
+        preflight(cfg)
+    assert snapshot(tmp_path) == before
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_and_kept(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    cfg = run_config(FAST + [f"checkpoint.dir={blocker / 'checkpoints'}"])
+    with pytest.raises(ConfigError, match="checkpoint.dir=.* is not writable"):
+        preflight(cfg)
+    assert blocker.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """A writer process saves step 2, then is killed while writing step 4's arrays."""
+    writer = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from tests.test_checkpoint import trained_checkpoint
+        import tensorstore
+        trained_checkpoint({str(tmp_path)!r}, steps=2)
+        # Die inside step 4's save, after orbax has started writing it.
+        original = tensorstore.TensorStore.write
+        def write_then_die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        tensorstore.TensorStore.write = write_then_die
+        trained_checkpoint({str(tmp_path)!r}, steps=4)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", writer], env=os.environ, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert "2" in leftovers and "4" not in leftovers
+    assert any("tmp" in name for name in leftovers), leftovers  # the half-written step 4
+
+    cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={tmp_path}"])
+    assert inspect_checkpoints(cfg, preflight_variables(cfg)) == 2
+    model, _, _ = build_training(cfg, MeshShape(2, 4))
+    assert HostCheckpoints(cfg, model).restore_newest() == 2
+
+
+def preflight_variables(cfg):
+    return list(preflight(cfg).variables)
