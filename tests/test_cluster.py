@@ -99,7 +99,11 @@ def test_a_cluster_without_host_nodes_says_what_it_has():
 
 
 def test_gpu_hosts_use_cuda_and_simulate_no_devices():
-    assert host_environment("gpu", 8) == {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cuda"}
+    assert host_environment("gpu", 8) == {
+        "KERAS_BACKEND": "jax",
+        "RAY_worker_niceness": "0",
+        "JAX_PLATFORMS": "cuda",
+    }
     assert "XLA_FLAGS" not in host_environment("gpu", 8)
 
 

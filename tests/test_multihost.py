@@ -47,6 +47,7 @@ def assert_hosts_agree(summary: dict) -> None:
     assert len(summary["per_host_step_seconds"]) == 2
     assert all(seconds > 0 for seconds in summary["per_host_step_seconds"])
     assert summary["examples_per_second"] > 0
+    assert [h["niceness"] for h in summary["host_identities"]] == [0, 0]  # not Ray's default 15
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,13 @@ def host_environment(platform: str, devices_per_host: int) -> dict[str, str]:
     """On GPU, JAX takes the node's CUDA devices (Ray sets CUDA_VISIBLE_DEVICES to the GPUs
     the actor holds) and fails loudly if the CUDA build of jax is missing, rather than
     falling back to one CPU device. On CPU, `devices_per_host` devices are simulated."""
+    # Ray runs workers at niceness 15; a host's training is the node's main work, and a niced
+    # host loses the CPU (input feeding, collectives' threads) to anything else running there.
+    common = {"KERAS_BACKEND": "jax", "RAY_worker_niceness": "0"}
     if platform == "gpu":
-        return {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cuda"}
+        return {**common, "JAX_PLATFORMS": "cuda"}
     return {
-        "KERAS_BACKEND": "jax",
+        **common,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}",
     }
@@ -54,6 +57,7 @@ class HostActor:
             "node_ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "niceness": os.nice(0),
         }
 
     def coordinator_address(self) -> str:
