@@ -33,19 +33,10 @@ DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
     import jax
-    import keras
 
     started = time.perf_counter()
-    # Same seed on every host, or the replicated initial weights differ between processes.
-    keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
     grid = device_grid(jax.devices(), mesh)
-    rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
-    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
-    dataset = build_dataset(cfg.data)
-    model = models.build_model(cfg.model, dataset.spec)
-    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
-    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
+    model, dataset = build_on_grid(cfg, grid)
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
@@ -69,6 +60,22 @@ def train(cfg: RunConfig, mesh: MeshShape, report: Report) -> dict:
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
         "model_groups_within_hosts": model_groups_within_hosts(grid),
     }
+
+
+def build_on_grid(cfg: RunConfig, grid: np.ndarray):
+    """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
+    import keras
+
+    # Same seed on every host, or the replicated initial weights differ between processes.
+    keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
+    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
+    dataset = build_dataset(cfg.data)
+    model = models.build_model(cfg.model, dataset.spec)
+    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
+    return model, dataset
 
 
 @dataclass(frozen=True)

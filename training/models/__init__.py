@@ -1,4 +1,5 @@
-"""Model registry: each model module defines `build`, `layout_rules`, `loss` and `INPUT_KIND`."""
+"""Model registry: each model module defines `build`, `layout_rules`, `loss`, `INPUT_KIND` and
+`model_axis_collectives` (what its layout must communicate over the model axis)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import ModuleType
 
 import keras
 
+from training.collectives import Collective
 from training.config import ConfigError, ModelConfig
 from training.data import DataSpec
 from training.models import mlp, transformer
@@ -65,6 +67,12 @@ def layout_rules(model_cfg: ModelConfig, extra: dict | None = None) -> LayoutRul
     rules = _module(model_cfg).layout_rules(model_cfg)
     rules.update({pattern: tuple(axes) for pattern, axes in (extra or {}).items()})
     return rules
+
+
+def model_axis_collectives(
+    model_cfg: ModelConfig, examples: int, value_bytes: int, model: int
+) -> list[Collective]:
+    return _module(model_cfg).model_axis_collectives(model_cfg, examples, value_bytes, model)
 
 
 def loss(model_cfg: ModelConfig) -> keras.losses.Loss:
