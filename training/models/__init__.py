@@ -16,8 +16,10 @@ from training.models import mlp, transformer
 MODELS: dict[str, ModuleType] = {"mlp": mlp, "transformer": transformer}
 
 # A layout rule maps a regex, full-matched against a variable path such as
-# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension.
+# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension. A rule for
+# `<layer path>/output` lays out that layer's output instead (an activation rule).
 LayoutRules = dict[str, tuple[str | None, ...]]
+ACTIVATION_RULE_SUFFIX = "/output"
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).

@@ -30,6 +30,14 @@ SHARED_RULES = {
     r"block_\d+_mlp_up/kernel": (None, "model"),
     r"block_\d+_mlp_up/bias": ("model",),
     r"block_\d+_mlp_down/kernel": ("model", None),
+    # Layer outputs (Keras relayouts a layer's output when a rule matches `<layer>/output`):
+    # the hidden state stays split over the batch and whole over `model`, the MLP's hidden
+    # activation split over `model` too. Without these XLA's partitioner picks its own
+    # layouts and reshards activations across the whole mesh (2.2× the bytes of this layout).
+    r"(token|position)_embedding/output": ("data", None, None),
+    r"block_\d+_(attention|mlp_down)/output": ("data", None, None),
+    r"block_\d+_mlp_up/output": ("data", None, "model"),
+    r"(block_\d+_\w+|final)_norm/output": ("data", None, None),
 }
 
 
