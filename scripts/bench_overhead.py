@@ -55,6 +55,7 @@ def run_system(overrides: list[str]) -> dict:
     phases = summary["phase_seconds"]
     return {
         "step_seconds": max(summary["per_host_step_seconds"]),
+        "hosts": f"{summary['hosts']} hosts × {summary['devices_per_host']} devices",
         "first_step_seconds": imported
         - PROCESS_STARTED
         + driver_before_coordinator
@@ -175,7 +176,7 @@ def jit_step_times(model, batches) -> list[float]:
 def report(system: dict, base: dict) -> None:
     ms = 1e3
     print("median step time after warm-up (each waits for its loss):")
-    print(f"  system (Ray, 2 hosts × 4 devices) {system['step_seconds'] * ms:8.1f} ms")
+    print(f"  system (Ray, {system['hosts']})".ljust(36) + f"{system['step_seconds'] * ms:8.1f} ms")
     print(f"  Keras fit (1 process, 8 devices)  {base['fit_step_seconds'] * ms:8.1f} ms")
     print(f"  jax.jit step (same mesh)          {base['jit_step_seconds'] * ms:8.1f} ms")
     print(

@@ -66,7 +66,7 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         configured,
         alternatives,
         predicted_speedups(cfg, model, configured),
-        warnings(cfg, model, configured),
+        launch_warnings(cfg, model, configured),
     )
 
 
@@ -100,7 +100,7 @@ def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost)
     return speedups
 
 
-def warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
+def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
     found = []
     hardware = cfg.plan
     if cost.mesh.model > 1:

@@ -160,12 +160,15 @@ def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> flo
 
 def describe_variables(variables) -> dict[str, dict]:
     """Sharding of every variable, read from the live arrays rather than from the config."""
+    from jax.sharding import PartitionSpec
+
     described = {}
     for variable in variables:
         array = variable.value
         shard = array.addressable_shards[0].data
         described[variable.path] = {
-            "spec": str(array.sharding.spec),
+            # A one-device run's arrays have a SingleDeviceSharding, which has no spec.
+            "spec": str(getattr(array.sharding, "spec", PartitionSpec())),
             "shape": list(array.shape),
             "bytes": int(array.nbytes),
             "shard_shape": list(shard.shape),
