@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,8 +16,8 @@ from tests.conftest import FAST, run_config
 from training.checkpoint import HostCheckpoints, inspect_checkpoints
 from training.config import ConfigError
 from training.preflight import preflight
-from training.strategy import MeshShape
-from training.trainer import build_training
+from training.strategy import MeshShape, device_grid
+from training.trainer import build_on_grid
 
 HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
 
@@ -24,7 +25,7 @@ HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
 def trained_checkpoint(directory: Path, steps: int = 2, overrides=()) -> dict[str, np.ndarray]:
     """Train `steps` steps under a (2, 4) mesh, save them; return every saved value."""
     cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={directory}", *overrides])
-    model, dataset, _ = build_training(cfg, MeshShape(2, 4))
+    model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     for step in range(steps):
         model.train_on_batch(*dataset.batch("train", step, cfg.trainer.global_batch, slice(0, 32)))
     checkpoints = HostCheckpoints(cfg, model)
@@ -60,7 +61,8 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, mesh):
     saved = trained_checkpoint(tmp_path)
     cfg = run_config(FAST + overrides + [f"checkpoint.dir={tmp_path}"])
-    model, _, grid = build_training(cfg, mesh)
+    grid = device_grid(jax.devices(), mesh)
+    model, _ = build_on_grid(cfg, grid)
     fresh = values(model)
     assert HostCheckpoints(cfg, model).restore_newest() == 2
     restored = values(model)
@@ -131,7 +133,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
 
     cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={tmp_path}"])
     assert inspect_checkpoints(cfg, preflight_variables(cfg)) == 2
-    model, _, _ = build_training(cfg, MeshShape(2, 4))
+    model, _ = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     assert HostCheckpoints(cfg, model).restore_newest() == 2
 
 

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,8 +16,8 @@ from tests.test_checkpoint import values
 from training.checkpoint import HostCheckpoints
 from training.coordinator import HostFailure
 from training.run import run_training
-from training.strategy import MeshShape
-from training.trainer import build_training
+from training.strategy import MeshShape, device_grid
+from training.trainer import build_on_grid
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +30,7 @@ CHECKPOINTED = FAST + [f"trainer.steps={STEPS}", "trainer.log_interval=1", "trai
 def saved_values(overrides: list[str]) -> dict[str, np.ndarray]:
     """The newest checkpoint's arrays, restored in this process onto its 8 devices."""
     cfg = run_config(CHECKPOINTED + overrides)
-    model, _, _ = build_training(cfg, MeshShape(8, 1))
+    model, _ = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(8, 1)))
     assert HostCheckpoints(cfg, model).restore_newest() == STEPS
     return values(model)
 

@@ -8,11 +8,13 @@ rules (mesh against cluster, batch against mesh) live in `training.preflight`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
 PRECISIONS = ("float32", "bfloat16")
 NAN_POLICIES = ("stop",)
@@ -259,6 +261,24 @@ class FaultConfig:
         )
 
 
+@dataclass
+class PlanConfig:
+    """The hardware `python -m training.plan` predicts for (defaults: a GPU with NVLink)."""
+
+    link_gb_per_s: float = 100.0  # collective bandwidth per device (PCIe ~20, 100 GbE ~12)
+    latency_us: float = 10.0  # fixed cost of one collective
+    device_tflops: float = 100.0  # sustained training throughput of one device
+    device_memory_gb: float = 80.0
+    # Fewer examples than this per device leave a device mostly waiting on launches.
+    min_examples_per_device: int = 8
+
+    def __post_init__(self) -> None:
+        for key in ("link_gb_per_s", "device_tflops", "device_memory_gb"):
+            _require(getattr(self, key) > 0, f"plan.{key} must be > 0")
+        _require(self.latency_us >= 0, "plan.latency_us must be >= 0")
+        _require(self.min_examples_per_device >= 1, "plan.min_examples_per_device must be >= 1")
+
+
 ModelConfig = MLPConfig | TransformerConfig
 DataConfig = SyntheticDataConfig | TextDataConfig
 OptimizerConfig = AdamConfig | SGDConfig
@@ -278,6 +298,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -320,3 +341,12 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         raise ConfigError(str(error)) from None
     _require(isinstance(run, RunConfig), "the root config must extend run_schema")
     return run
+
+
+def compose_run_config(overrides: list[str]) -> RunConfig:
+    """The run config `python -m training.run <overrides>` would get, outside a Hydra app."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose("config", overrides=overrides))

@@ -55,8 +55,10 @@ def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> N
 
 
 def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: MeshShape) -> None:
-    """Every rule must match a variable, fit its rank and split its dimensions evenly."""
+    """Every variable rule must match a variable, fit its rank and split its dimensions
+    evenly (activation rules are left to Keras, which applies them while building)."""
     axis_sizes = {"data": mesh.data, "model": mesh.model, None: 1}
+    rules = {p: a for p, a in rules.items() if not p.endswith(models.ACTIVATION_RULE_SUFFIX)}
     listing = "\n  ".join(f"{v.path} {list(v.shape)}" for v in variables)
     for pattern, axes in rules.items():
         matched = [v for v in variables if re.fullmatch(pattern, v.path)]

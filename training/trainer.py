@@ -37,27 +37,6 @@ class NonFiniteLoss(FloatingPointError):
     """The loss became NaN or infinite; the run stops rather than train on garbage."""
 
 
-def build_training(cfg: RunConfig, mesh: MeshShape):
-    """Set this process's distribution and build the compiled model with its optimizer's
-    variables, ready to train or to be restored into; return (model, dataset, device grid)."""
-    import jax
-    import keras
-
-    # Same seed on every host, or the replicated initial weights differ between processes.
-    keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    grid = device_grid(jax.devices(), mesh)
-    rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
-    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
-    dataset = build_dataset(cfg.data)
-    model = models.build_model(cfg.model, dataset.spec)
-    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
-    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
-    # Built now rather than at the first step, so that a checkpoint can be restored into it.
-    optimizer.build(model.trainable_variables)
-    return model, dataset, grid
-
-
 def _never() -> bool:
     return False
 
@@ -70,7 +49,8 @@ def train(
     import jax
 
     started = time.perf_counter()
-    model, dataset, grid = build_training(cfg, mesh)
+    grid = device_grid(jax.devices(), mesh)
+    model, dataset = build_on_grid(cfg, grid)
     checkpoints = HostCheckpoints(cfg, model) if cfg.checkpoint.enabled else None
     start = checkpoints.restore_newest() if checkpoints else 0
 
@@ -104,6 +84,24 @@ def train(
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
         "model_groups_within_hosts": model_groups_within_hosts(grid),
     }
+
+
+def build_on_grid(cfg: RunConfig, grid: np.ndarray):
+    """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
+    import keras
+
+    # Same seed on every host, or the replicated initial weights differ between processes.
+    keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
+    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
+    dataset = build_dataset(cfg.data)
+    model = models.build_model(cfg.model, dataset.spec)
+    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
+    # Built now rather than at the first step, so that a checkpoint can be restored into it.
+    optimizer.build(model.trainable_variables)
+    return model, dataset
 
 
 @dataclass(frozen=True)
@@ -242,12 +240,15 @@ def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> flo
 
 def describe_variables(variables) -> dict[str, dict]:
     """Sharding of every variable, read from the live arrays rather than from the config."""
+    from jax.sharding import PartitionSpec
+
     described = {}
     for variable in variables:
         array = variable.value
         shard = array.addressable_shards[0].data
         described[variable.path] = {
-            "spec": str(array.sharding.spec),
+            # A one-device run's arrays have a SingleDeviceSharding, which has no spec.
+            "spec": str(getattr(array.sharding, "spec", PartitionSpec())),
             "shape": list(array.shape),
             "bytes": int(array.nbytes),
             "shard_shape": list(shard.shape),

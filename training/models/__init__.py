@@ -1,4 +1,5 @@
-"""Model registry: each model module defines `build`, `layout_rules`, `loss` and `INPUT_KIND`."""
+"""Model registry: each model module defines `build`, `layout_rules`, `loss`, `INPUT_KIND` and
+`model_axis_collectives` (what its layout must communicate over the model axis)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import ModuleType
 
 import keras
 
+from training.collectives import Collective
 from training.config import ConfigError, ModelConfig
 from training.data import DataSpec
 from training.models import mlp, transformer
@@ -14,8 +16,10 @@ from training.models import mlp, transformer
 MODELS: dict[str, ModuleType] = {"mlp": mlp, "transformer": transformer}
 
 # A layout rule maps a regex, full-matched against a variable path such as
-# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension.
+# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension. A rule for
+# `<layer path>/output` lays out that layer's output instead (an activation rule).
 LayoutRules = dict[str, tuple[str | None, ...]]
+ACTIVATION_RULE_SUFFIX = "/output"
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).
@@ -65,6 +69,12 @@ def layout_rules(model_cfg: ModelConfig, extra: dict | None = None) -> LayoutRul
     rules = _module(model_cfg).layout_rules(model_cfg)
     rules.update({pattern: tuple(axes) for pattern, axes in (extra or {}).items()})
     return rules
+
+
+def model_axis_collectives(
+    model_cfg: ModelConfig, examples: int, value_bytes: int, model: int
+) -> list[Collective]:
+    return _module(model_cfg).model_axis_collectives(model_cfg, examples, value_bytes, model)
 
 
 def loss(model_cfg: ModelConfig) -> keras.losses.Loss:

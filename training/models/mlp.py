@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keras
 
+from training.collectives import Collective
 from training.config import MLPConfig
 from training.data import DataSpec
 
@@ -22,6 +23,16 @@ RULES = {
 
 def layout_rules(cfg: MLPConfig) -> dict:
     return dict(RULES)
+
+
+def model_axis_collectives(
+    cfg: MLPConfig, examples: int, value_bytes: int, model: int
+) -> list[Collective]:
+    """The least the layout must communicate over a model group of `model` devices for one
+    step on `examples` rows: each block all-reduces its output (forward) and the gradient of
+    its replicated input (backward), examples × d_model values of `value_bytes` each."""
+    hidden = Collective("all-reduce", examples * cfg.d_model * value_bytes, model, "hidden state")
+    return [hidden] * (2 * cfg.depth)
 
 
 def loss() -> keras.losses.Loss:

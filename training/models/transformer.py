@@ -16,6 +16,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from training.collectives import Collective
 from training.config import TransformerConfig
 from training.data import DataSpec
 
@@ -29,6 +30,14 @@ SHARED_RULES = {
     r"block_\d+_mlp_up/kernel": (None, "model"),
     r"block_\d+_mlp_up/bias": ("model",),
     r"block_\d+_mlp_down/kernel": ("model", None),
+    # Layer outputs (Keras relayouts a layer's output when a rule matches `<layer>/output`):
+    # the hidden state stays split over the batch and whole over `model`, the MLP's hidden
+    # activation split over `model` too. Without these XLA's partitioner picks its own
+    # layouts and reshards activations across the whole mesh (2.2× the bytes of this layout).
+    r"(token|position)_embedding/output": ("data", None, None),
+    r"block_\d+_(attention|mlp_down)/output": ("data", None, None),
+    r"block_\d+_mlp_up/output": ("data", None, "model"),
+    r"(block_\d+_\w+|final)_norm/output": ("data", None, None),
 }
 
 
@@ -42,6 +51,23 @@ def layout_rules(cfg: TransformerConfig) -> dict:
     if cfg.tie_embeddings:
         return dict(SHARED_RULES)
     return {**SHARED_RULES, r"lm_head/kernel": (None, "model")}
+
+
+def model_axis_collectives(
+    cfg: TransformerConfig, examples: int, value_bytes: int, model: int
+) -> list[Collective]:
+    """The least the layout must communicate over a model group of `model` devices for one
+    step on `examples` sequences: the hidden state (examples × seq_len × d_model values of
+    `value_bytes`) is all-reduced after the vocabulary-split embedding lookup, after each
+    block's attention and MLP (forward) and before them (backward, the gradient of their
+    replicated input), and after the vocabulary-split head (backward); the loss's softmax
+    over the vocabulary-split logits all-reduces a maximum and a sum per token; and the
+    hidden-split position table is gathered."""
+    tokens = examples * cfg.seq_len
+    hidden = Collective("all-reduce", tokens * cfg.d_model * value_bytes, model, "hidden state")
+    softmax = Collective("all-reduce", tokens * 4, model, "softmax max / sum")
+    positions = Collective("all-gather", cfg.seq_len * cfg.d_model * 4, model, "positions")
+    return [hidden] * (4 * cfg.layers + 2) + [softmax] * 2 + [positions]
 
 
 def loss() -> keras.losses.Loss:

@@ -1,0 +1,84 @@
+"""Communication and memory of one compiled training step, per strategy, against the plan.
+
+Bytes each device sends in the collectives of the compiled step (read from its HLO:
+all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, ring algorithm)
+against the analytic minimum `training.plan` predicts; parameter + optimizer bytes per device
+of the live arrays against the ideal (everything split over the model axis) and against the
+plan's prediction. One process, 8 CPU devices; no timing, so the machine's load does not
+matter.
+
+    python scripts/bench_comm.py [--overrides model.layers=4 model.d_model=256 ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["KERAS_BACKEND"] = "jax"
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+
+import keras  # noqa: E402
+
+from training.config import compose_run_config  # noqa: E402
+from training.costs import abstract_model, strategy_cost  # noqa: E402
+from training.data import build_dataset  # noqa: E402
+from training.measure import BENCH_TRANSFORMER, measure_step  # noqa: E402
+from training.strategy import MeshShape  # noqa: E402
+
+# A small transformer: every strategy compiles in well under a minute.
+SMALL = [
+    *BENCH_TRANSFORMER,
+    "trainer.global_batch=16",
+]
+MESHES = {
+    "data_parallel": MeshShape(8, 1),
+    "hybrid": MeshShape(2, 4),
+    "model_parallel": MeshShape(1, 8),
+}
+
+
+def bench(strategy: str, mesh: MeshShape, overrides: list[str]) -> None:
+    cfg = compose_run_config([f"strategy={strategy}", *overrides])
+    model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    plan = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
+    measured = measure_step(cfg, mesh)
+    keras.distribution.set_distribution(None)
+    print(f"\n{strategy} mesh {mesh.data}×{mesh.model}")
+    print(
+        f"  sent per device per step: measured {measured.sent_bytes:,.0f} B, minimum "
+        f"{plan.sent_bytes:,.0f} B, ratio {measured.sent_bytes / plan.sent_bytes:.3f} "
+        "(target <= 1.05)"
+    )
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for c in measured.collectives:
+        by_kind[(c.kind, c.group)][0] += 1
+        by_kind[(c.kind, c.group)][1] += c.sent_bytes
+    for (kind, group), (count, sent) in sorted(by_kind.items()):
+        print(f"    {count:3d} × {kind:18s} over {group} devices: {sent:12,.0f} B")
+    live = measured.parameter_bytes_per_device + measured.optimizer_bytes_per_device
+    predicted = plan.parameter_bytes + plan.optimizer_bytes
+    whole = strategy_cost(cfg, model, "data_parallel", MeshShape(1, 1), 1)
+    ideal = (whole.parameter_bytes + whole.optimizer_bytes) / mesh.model
+    print(
+        f"  parameter + optimizer bytes per device: live {live:,} B, ideal {ideal:,.0f} B "
+        f"(ratio {live / ideal:.3f}, target <= 1.10), plan {predicted:,} B "
+        f"(live / plan {live / predicted:.3f})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--overrides", nargs="*", default=[], help="config overrides")
+    parser.add_argument("--strategies", nargs="*", default=list(MESHES), choices=list(MESHES))
+    args = parser.parse_args()
+    print(f"model: {' '.join(SMALL + args.overrides)}")
+    for strategy in args.strategies:
+        bench(strategy, MESHES[strategy], SMALL + args.overrides)
+
+
+if __name__ == "__main__":
+    main()

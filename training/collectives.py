@@ -1,0 +1,100 @@
+"""Collectives and the bytes each device sends for them, counted the same way for the plan's
+analytic model and for a compiled program's HLO, so the two can be compared.
+
+A device's traffic is that of the bandwidth-optimal ring algorithm: an all-reduce of S bytes
+over n devices sends 2(n-1)/n × S per device (reduce-scatter, then all-gather), an
+all-gather of an S-byte result or a reduce-scatter of an S-byte input (n-1)/n × S, an
+all-to-all (n-1)/n × S, a collective-permute S.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4,
+    "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    # The full payload: an all-reduce's or all-to-all's operand, an all-gather's result, a
+    # reduce-scatter's input.
+    bytes: float
+    group: int  # devices that take part together
+    what: str = ""
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes each device of the group sends (ring algorithm)."""
+        n = self.group
+        if n <= 1:
+            return 0.0
+        if self.kind == "collective-permute":
+            return float(self.bytes)
+        factor = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
+        return factor * self.bytes
+
+
+def sent_bytes(collectives: list[Collective]) -> float:
+    return sum(c.sent_bytes for c in collectives)
+
+
+_OP = re.compile(
+    r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
+)
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+
+
+def from_hlo(text: str, devices: int) -> list[Collective]:
+    """The collectives of a compiled program's HLO text (`compiled.as_text()`).
+
+    `devices`: the program's device count, the group of a collective with no replica groups.
+    """
+    found = []
+    for line in text.splitlines():
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind, rest = match["kind"], match["rest"]
+        arrays = _arrays(match["type"])
+        if match["start"]:  # async form: the result tuple holds (operand, result)
+            arrays = arrays[-1:] if kind == "all-gather" else arrays[: max(1, len(arrays) // 2)]
+        group = _group_size(rest, devices)
+        payload = sum(arrays)
+        if kind == "reduce-scatter":
+            payload *= group
+        found.append(Collective(kind, payload, group, line.split("=")[0].strip()))
+    return found
+
+
+def _arrays(type_text: str) -> list[int]:
+    return [
+        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(type_text)
+        if dtype in DTYPE_BYTES
+    ]
+
+
+def _group_size(attributes: str, devices: int) -> int:
+    if pairs := re.search(r"source_target_pairs=\{([^}]*)\}", attributes):
+        return 2 if pairs[1] else 1
+    # Mesh-axes form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
+    on_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if on_mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", on_mesh[1])}
+        return math.prod(sizes[name] for name in re.findall(r"'(\w+)'", on_mesh[2]))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
+    if iota:
+        return int(iota[2])
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return len(listed[1].split(","))
+    return devices

@@ -1,0 +1,201 @@
+"""`python -m training.plan [overrides]`: what a run will cost, before launching it.
+
+Takes the same config and overrides as `training.run`, builds the model abstractly (no
+weights, no cluster, no training) and prints, for every strategy and mesh the cluster
+allows: per-device parameter, optimizer and activation memory and the bytes each device
+sends per step; then, for the configured strategy, a predicted speedup on 1 to 8 devices
+from the bandwidth/latency model in the `plan` config section (`plan.link_gb_per_s=25`),
+and warnings about choices that waste devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
+from training.costs import (  # noqa: E402
+    AbstractModel,
+    StrategyCost,
+    abstract_model,
+    layout_rules,
+    split_ways,
+    strategy_cost,
+    variable_bytes,
+)
+from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
+from training.preflight import preflight  # noqa: E402
+from training.strategy import MeshShape  # noqa: E402
+
+SPEEDUP_DEVICES = (1, 2, 4, 8)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    configured: StrategyCost
+    alternatives: list[StrategyCost]
+    speedups: dict[int, float]
+    warnings: list[str]
+
+
+def make_plan(cfg: RunConfig) -> LaunchPlan:
+    for key in ("hosts", "devices_per_host"):
+        if getattr(cfg.cluster, key) == AUTO:
+            raise ConfigError(
+                f"cluster.{key} is read from the running cluster; give it for a plan "
+                f"(cluster.{key}=N)"
+            )
+    checked = preflight(cfg)
+    model = abstract_model(cfg, checked.data_spec)
+    examples = cfg.trainer.micro_batch
+    configured = strategy_cost(cfg, model, cfg.strategy.name, checked.mesh, examples)
+    alternatives = [
+        strategy_cost(cfg, model, strategy, mesh, examples)
+        for strategy, mesh in candidate_meshes(checked.mesh.devices, checked.devices_per_host)
+        if examples % mesh.data == 0
+    ]
+    return LaunchPlan(
+        configured,
+        alternatives,
+        predicted_speedups(cfg, model, configured),
+        launch_warnings(cfg, model, configured),
+    )
+
+
+def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:
+    """Data parallel, each hybrid whose model groups fit in a host, and model parallel."""
+    hybrids = [
+        ("hybrid", MeshShape(devices // m, m))
+        for m in range(2, min(per_host, devices // 2) + 1)
+        if devices % m == 0 and per_host % m == 0
+    ]
+    meshes = [("data_parallel", MeshShape(devices, 1)), *hybrids]
+    return [*meshes, ("model_parallel", MeshShape(1, devices))] if devices > 1 else meshes
+
+
+def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> dict:
+    """Throughput on N devices over one device's, each data shard keeping its batch: the
+    model axis grows up to the configured one (all of N for model parallel), the data axis
+    takes the rest."""
+    rows = cost.examples_per_data_shard
+    one = strategy_cost(cfg, model, cost.strategy, MeshShape(1, 1), rows).step_seconds(cfg.plan)
+    speedups = {}
+    for n in SPEEDUP_DEVICES:
+        m = n if cost.strategy == "model_parallel" else min(cost.mesh.model, n)
+        if n % m:
+            continue
+        mesh = MeshShape(n // m, m)
+        seconds = strategy_cost(cfg, model, cost.strategy, mesh, rows * mesh.data).step_seconds(
+            cfg.plan
+        )
+        speedups[n] = mesh.data * one / seconds
+    return speedups
+
+
+def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
+    found = []
+    hardware = cfg.plan
+    if cost.mesh.model > 1:
+        whole = strategy_cost(
+            cfg, model, "data_parallel", MeshShape(1, 1), cost.examples_per_data_shard
+        )
+        if whole.memory_bytes <= hardware.device_memory_gb * GB:
+            found.append(
+                f"the model fits on one device ({_gb(whole.memory_bytes)} of "
+                f"{hardware.device_memory_gb:g} GB with its optimizer state and activations), "
+                f"yet strategy={cost.strategy} splits it {cost.mesh.model} ways: model "
+                "parallelism is for models that do not fit; strategy=data_parallel only "
+                "all-reduces the gradients"
+            )
+        replicated = _large_replicated(cfg, model, cost)
+        if replicated:
+            found.append(
+                f"layout leaves {len(replicated)} variable(s) above "
+                f"{SPLIT_THRESHOLD_BYTES // 1024} KiB whole on every device: "
+                + ", ".join(replicated)
+                + " (add a rule: ++strategy.layout_rules={'<path>':[null,model]})"
+            )
+    if cost.examples_per_data_shard < hardware.min_examples_per_device:
+        found.append(
+            f"each data shard gets {cost.examples_per_data_shard} examples per step "
+            f"(trainer.global_batch / trainer.accumulate / mesh.data), fewer than "
+            f"plan.min_examples_per_device={hardware.min_examples_per_device}: devices will "
+            "mostly wait; raise trainer.global_batch or use fewer devices"
+        )
+    if cost.memory_bytes > hardware.device_memory_gb * GB:
+        found.append(
+            f"{_gb(cost.memory_bytes)} per device does not fit in plan.device_memory_gb="
+            f"{hardware.device_memory_gb:g}"
+        )
+    return found
+
+
+def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
+    rules = layout_rules(cfg, cost.strategy)
+    return [
+        f"{v.path} {list(v.shape)}"
+        for v in model.variables
+        if split_ways(v.path, rules, cost.mesh) == 1 and variable_bytes(v) > SPLIT_THRESHOLD_BYTES
+    ]
+
+
+def _gb(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
+    table = Table(title="per device, per step (micro-batch)", title_justify="left")
+    for column in ("strategy", "data×model", "params", "optimizer", "activations", "sent", "ops"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for cost in plan.alternatives:
+        chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
+        table.add_row(
+            f"{cost.strategy}{' *' if chosen else ''}",
+            f"{cost.mesh.data}×{cost.mesh.model}",
+            _gb(cost.parameter_bytes),
+            _gb(cost.optimizer_bytes),
+            _gb(cost.activation_bytes),
+            _gb(cost.sent_bytes),
+            str(len(cost.collectives)),
+        )
+    console.print(table)
+    console.print(
+        "* configured. activations: every layer's output for a data shard's batch; sent: "
+        "bytes each device sends in the step's collectives (ops) over ring links"
+    )
+    hardware = cfg.plan
+    console.print(
+        f"predicted speedup of {plan.configured.strategy} (link {hardware.link_gb_per_s:g} GB/s, "
+        f"latency {hardware.latency_us:g} µs, {hardware.device_tflops:g} TFLOP/s per device): "
+        + ", ".join(f"{n} devices {s:.3g}×" for n, s in plan.speedups.items()),
+        markup=False,
+    )
+    for warning in plan.warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
+
+
+def main(overrides: list[str]) -> int:
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        cfg = compose_run_config(overrides)
+        plan = make_plan(cfg)
+    except ConfigError as error:
+        errors.print(f"error: {error}")
+        return 2
+    print_plan(plan, cfg, Console(highlight=False, soft_wrap=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
