@@ -150,6 +150,9 @@ class LocalClusterConfig:
     hosts: int = 2
     devices_per_host: int = 4
     placement_timeout_s: float = 60.0
+    # CPUs the local Ray instance offers, one per simulated host: room for this many hosts
+    # at once (a sweep's trials share them). None: this machine's cores.
+    num_cpus: Optional[int] = None
     # Not settable: simulated hosts have CPU devices and share this machine's one node.
     platform: ClassVar[str] = "cpu"
     host_resource: ClassVar[Optional[str]] = None
@@ -157,6 +160,7 @@ class LocalClusterConfig:
     def __post_init__(self) -> None:
         _require(self.hosts >= 1, "cluster.hosts must be >= 1")
         _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+        _require(self.num_cpus is None or self.num_cpus >= 1, "cluster.num_cpus must be >= 1")
 
 
 @dataclass
@@ -230,6 +234,16 @@ class FaultConfig:
         _require(self.timeout_s > 0, "fault.timeout_s must be > 0")
 
 
+@dataclass
+class SweepConfig:
+    # Trials of a multirun (`-m`) that may hold host groups at once; more wait in a queue
+    # until the Ray cluster has room for all of a trial's hosts.
+    max_concurrent: int = 4
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "sweep", ("max_concurrent",))
+
+
 ModelConfig = MLPConfig | TransformerConfig
 DataConfig = SyntheticDataConfig | TextDataConfig
 OptimizerConfig = AdamConfig | SGDConfig
@@ -248,6 +262,7 @@ class RunConfig:
     cluster: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 SCHEMAS = {
