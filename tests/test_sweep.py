@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.test_cli import cli
 from training.sweep import rank, ranked_by, trial_row, write_results
@@ -136,3 +137,28 @@ def test_a_failed_trial_is_in_the_table_and_a_queued_one_outwaits_the_timeout(tm
     assert max(r["queued_seconds"] for r in done) > 2
     assert "queued: waiting for hosts held by other trials of this sweep" in result.stdout
     assert "sweep: 3 trials, 1 failed" in result.stdout
+
+
+@pytest.mark.ray
+def test_optuna_searches_for_the_lowest_loss_through_the_same_launcher(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    result = cli(
+        "-m",
+        "hydra/sweeper=loss_search",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        *SMALL,
+        "cluster.num_cpus=4",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = sweep_rows(sweep)
+    assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
+    rates = [float(o.split("=")[1]) for r in rows for o in r["overrides"] if "learning_rate" in o]
+    assert len(rates) == 2 and all(1e-4 <= rate <= 1e-1 for rate in rates)
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert best.best_value == pytest.approx(rows[0]["final_loss"])
+    chosen = f"optimizer.learning_rate={best.best_params['optimizer.learning_rate']}"
+    assert chosen in rows[0]["overrides"]
