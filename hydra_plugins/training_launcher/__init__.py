@@ -1,1 +1,1 @@
-"""Hydra plugins of the training project (found by Hydra under the `hydra_plugins` namespace)."""
+"""The training project's Hydra launcher; Hydra finds plugins under `hydra_plugins`."""

@@ -172,11 +172,15 @@ class HostGroupLauncher(Launcher):
                 [ref], _ = ray.wait(list(running), num_returns=1)
                 trial = running.pop(ref)
                 returns[trial.number] = self._finish(trial, ref, sweep_dir)
-        except BaseException:
-            # Ctrl-C: stop the running trials; their host actors die with their processes.
+        except KeyboardInterrupt:
+            # Stop the running trials; their host actors die with their processes.
             for ref in running:
                 ray.cancel(ref, force=True)
-            raise
+            json_path, _ = write_results(sweep_dir, list(self.rows.values()))
+            raise SweepFailed(
+                f"interrupted: stopped trials {sorted(t.number for t in running.values())}; "
+                f"those that ended are in {json_path}"
+            ) from None
         return returns
 
     def _finish(self, trial: Trial, ref, sweep_dir: Path) -> JobReturn:
