@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,13 @@ def test_results_are_written_best_first_as_json_and_csv(tmp_path):
     assert table[2]["status"] == "failed" and table[2]["error"].startswith("ConfigError: bad mesh")
 
 
+def sweep(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run `python -m training.run -m` on small trials; the result and the sweep directory."""
+    sweep_dir = tmp_path / "sweep"
+    result = cli("-m", *SMALL, *overrides, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    return result, sweep_dir
+
+
 def sweep_rows(sweep_dir: Path) -> list[dict]:
     return json.loads((sweep_dir / "sweep_summary.json").read_text())["rows"]
 
@@ -66,21 +74,17 @@ def most_at_once(rows: list[dict]) -> int:
 
 @pytest.mark.ray
 def test_a_grid_runs_as_separate_host_groups_at_most_max_concurrent_at_once(tmp_path):
-    sweep = tmp_path / "sweep"
     grid = {"optimizer": ["adam", "sgd"], "optimizer.learning_rate": ["0.001", "0.01"]}
-    result = cli(
-        "-m",
-        *SMALL,
+    result, sweep_dir = sweep(
+        tmp_path,
         # Room for four 2-host trials; the cap allows two.
         "cluster.num_cpus=8",
         "sweep.max_concurrent=2",
         *(f"{key}={','.join(values)}" for key, values in grid.items()),
-        f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    rows = sweep_rows(sweep)
+    rows = sweep_rows(sweep_dir)
     combinations = itertools.product(*grid.values())
     expected = {tuple(f"{k}={v}" for k, v in zip(grid, c, strict=True)) for c in combinations}
     assert {tuple(o for o in r["overrides"] if o.startswith("optimizer")) for r in rows} == expected
@@ -100,35 +104,31 @@ def test_a_grid_runs_as_separate_host_groups_at_most_max_concurrent_at_once(tmp_
     assert len(set().union(*hosts_by_trial)) == 8
     assert most_at_once(rows) == 2
 
-    with (sweep / "sweep_summary.csv").open() as file:
+    with (sweep_dir / "sweep_summary.csv").open() as file:
         assert [int(r["trial"]) for r in csv.DictReader(file)] == [r["trial"] for r in rows]
     assert "sweep: 4 trials, 0 failed; best first by final_loss" in result.stdout
     printed = set(re.findall(r"summary: (\S+/summary\.json)$", result.stdout, re.MULTILINE))
-    assert printed == {str(sweep / str(n) / "summary.json") for n in range(4)}
+    assert printed == {str(sweep_dir / str(n) / "summary.json") for n in range(4)}
     assert "step 4/4" in result.stdout  # each trial's progress reaches the terminal
 
 
 @pytest.mark.ray
 def test_a_failed_trial_is_in_the_table_and_a_queued_one_outwaits_the_timeout(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = cli(
-        "-m",
-        *SMALL,
+    result, sweep_dir = sweep(
+        tmp_path,
         "strategy=hybrid",
         "mesh.model=1,3,2",
         # Room for one 2-host trial at a time; the other valid one waits longer than this.
         "cluster.num_cpus=2",
         "cluster.placement_timeout_s=2",
         "sweep.max_concurrent=3",
-        f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
     )
     message = "mesh.model=3 does not divide the cluster's 2 devices (2 hosts × 1 devices)"
     assert result.returncode == 1
     assert f"trial 1 failed: ConfigError: {message}" in result.stderr
     assert "Traceback" not in result.stderr
 
-    rows = {r["trial"]: r for r in sweep_rows(sweep)}
+    rows = {r["trial"]: r for r in sweep_rows(sweep_dir)}
     assert rows[1]["status"] == "failed" and rows[1]["error"] == f"ConfigError: {message}"
     assert "mesh.model=3" in rows[1]["overrides"] and rows[1]["final_loss"] is None
     done = [rows[0], rows[2]]
@@ -142,23 +142,19 @@ def test_a_failed_trial_is_in_the_table_and_a_queued_one_outwaits_the_timeout(tm
 @pytest.mark.ray
 def test_optuna_searches_for_the_lowest_loss_through_the_same_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    sweep = tmp_path / "sweep"
-    result = cli(
-        "-m",
+    result, sweep_dir = sweep(
+        tmp_path,
         "hydra/sweeper=loss_search",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.n_jobs=2",
-        *SMALL,
         "cluster.num_cpus=4",
-        f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = sweep_rows(sweep)
+    rows = sweep_rows(sweep_dir)
     assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
     rates = [float(o.split("=")[1]) for r in rows for o in r["overrides"] if "learning_rate" in o]
     assert len(rates) == 2 and all(1e-4 <= rate <= 1e-1 for rate in rates)
-    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
     assert best.best_value == pytest.approx(rows[0]["final_loss"])
     chosen = f"optimizer.learning_rate={best.best_params['optimizer.learning_rate']}"
     assert chosen in rows[0]["overrides"]
