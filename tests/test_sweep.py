@@ -1,7 +1,6 @@
 """Sweeps: `python -m training.run -m ...` runs each trial as its own host group, ranks them."""
 
 import csv
-import itertools
 import json
 import math
 import re
@@ -14,14 +13,7 @@ from omegaconf import OmegaConf
 from tests.test_cli import cli
 from training.sweep import rank, ranked_by, trial_row, write_results
 
-# Two hosts of one device each: the smallest multi-host trial.
-SMALL = [
-    "cluster.hosts=2",
-    "cluster.devices_per_host=1",
-    "trainer.steps=4",
-    "trainer.log_interval=2",
-    "trainer.global_batch=16",
-]
+SMALL = ["trainer.steps=4", "trainer.log_interval=2", "trainer.global_batch=16"]
 
 
 def row(trial: int, loss: float | None, error: str | None = None, eval_loss=None) -> dict:
@@ -73,70 +65,50 @@ def most_at_once(rows: list[dict]) -> int:
 
 
 @pytest.mark.ray
-def test_a_grid_runs_as_separate_host_groups_at_most_max_concurrent_at_once(tmp_path):
-    grid = {"optimizer": ["adam", "sgd"], "optimizer.learning_rate": ["0.001", "0.01"]}
+def test_trials_run_as_separate_host_groups_two_at_once_and_a_bad_one_fails_alone(tmp_path):
     result, sweep_dir = sweep(
         tmp_path,
-        # Room for four 2-host trials; the cap allows two.
-        "cluster.num_cpus=8",
-        "sweep.max_concurrent=2",
-        *(f"{key}={','.join(values)}" for key, values in grid.items()),
+        "cluster.hosts=2",
+        "cluster.devices_per_host=2",
+        "strategy=hybrid",
+        "mesh.model=1,2,3,4",
+        # Room for two 2-host trials: the third valid one queues for longer than this.
+        "cluster.num_cpus=4",
+        "cluster.placement_timeout_s=2",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    message = "mesh.model=3 does not divide the cluster's 4 devices (2 hosts × 2 devices)"
+    assert result.returncode == 1
+    assert f"trial 2 failed: ConfigError: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
 
     rows = sweep_rows(sweep_dir)
-    combinations = itertools.product(*grid.values())
-    expected = {tuple(f"{k}={v}" for k, v in zip(grid, c, strict=True)) for c in combinations}
-    assert {tuple(o for o in r["overrides"] if o.startswith("optimizer")) for r in rows} == expected
-    assert all(r["status"] == "completed" and r["error"] is None for r in rows)
-    losses = [r["final_loss"] for r in rows]
+    swept = sorted(o for r in rows for o in r["overrides"] if o.startswith("mesh.model="))
+    assert swept == [f"mesh.model={size}" for size in (1, 2, 3, 4)]
+    *completed, failed = rows  # best first, failures last
+    assert (failed["trial"], failed["status"]) == (2, "failed")
+    assert failed["error"] == f"ConfigError: {message}" and failed["final_loss"] is None
+    assert all(r["status"] == "completed" and r["error"] is None for r in completed)
+    losses = [r["final_loss"] for r in completed]
     assert losses == sorted(losses) and all(math.isfinite(loss) for loss in losses)
-    hosts_by_trial = []
-    for r in rows:
+    host_pids = []
+    for r in completed:
         summary = json.loads((Path(r["output_dir"]) / "summary.json").read_text())
         assert summary["final_loss"] == r["final_loss"]
-        optimizer = summary["config"]["optimizer"]
-        assert f"optimizer={optimizer['name']}" in r["overrides"]
-        assert f"optimizer.learning_rate={optimizer['learning_rate']}" in r["overrides"]
-        hosts_by_trial.append({h["pid"] for h in summary["host_identities"]})
-    # Every trial had host processes of its own, so its own jax.distributed cluster.
-    assert all(len(pids) == 2 for pids in hosts_by_trial)
-    assert len(set().union(*hosts_by_trial)) == 8
-    assert most_at_once(rows) == 2
+        assert f"mesh.model={summary['mesh']['model']}" in r["overrides"]
+        host_pids += [h["pid"] for h in summary["host_identities"]]
+    # Every trial had host processes of its own, so a jax.distributed cluster of its own.
+    assert len(set(host_pids)) == len(host_pids) == 6
+    # Gang-scheduled: two trials held their hosts at once, never three; the third waited.
+    assert most_at_once(completed) == 2
+    assert max(r["queued_seconds"] for r in completed) > 2
+    assert "queued: waiting for hosts held by other trials of this sweep" in result.stdout
 
     with (sweep_dir / "sweep_summary.csv").open() as file:
         assert [int(r["trial"]) for r in csv.DictReader(file)] == [r["trial"] for r in rows]
-    assert "sweep: 4 trials, 0 failed; best first by final_loss" in result.stdout
+    assert "sweep: 4 trials, 1 failed; best first by final_loss" in result.stdout
     printed = set(re.findall(r"summary: (\S+/summary\.json)$", result.stdout, re.MULTILINE))
-    assert printed == {str(sweep_dir / str(n) / "summary.json") for n in range(4)}
+    assert printed == {str(sweep_dir / str(n) / "summary.json") for n in (0, 1, 3)}
     assert "step 4/4" in result.stdout  # each trial's progress reaches the terminal
-
-
-@pytest.mark.ray
-def test_a_failed_trial_is_in_the_table_and_a_queued_one_outwaits_the_timeout(tmp_path):
-    result, sweep_dir = sweep(
-        tmp_path,
-        "strategy=hybrid",
-        "mesh.model=1,3,2",
-        # Room for one 2-host trial at a time; the other valid one waits longer than this.
-        "cluster.num_cpus=2",
-        "cluster.placement_timeout_s=2",
-        "sweep.max_concurrent=3",
-    )
-    message = "mesh.model=3 does not divide the cluster's 2 devices (2 hosts × 1 devices)"
-    assert result.returncode == 1
-    assert f"trial 1 failed: ConfigError: {message}" in result.stderr
-    assert "Traceback" not in result.stderr
-
-    rows = {r["trial"]: r for r in sweep_rows(sweep_dir)}
-    assert rows[1]["status"] == "failed" and rows[1]["error"] == f"ConfigError: {message}"
-    assert "mesh.model=3" in rows[1]["overrides"] and rows[1]["final_loss"] is None
-    done = [rows[0], rows[2]]
-    assert all(r["status"] == "completed" and math.isfinite(r["final_loss"]) for r in done)
-    assert most_at_once(done) == 1
-    assert max(r["queued_seconds"] for r in done) > 2
-    assert "queued: waiting for hosts held by other trials of this sweep" in result.stdout
-    assert "sweep: 3 trials, 1 failed" in result.stdout
 
 
 @pytest.mark.ray
@@ -146,12 +118,15 @@ def test_optuna_searches_for_the_lowest_loss_through_the_same_launcher(tmp_path)
         tmp_path,
         "hydra/sweeper=loss_search",
         "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.n_jobs=2",
-        "cluster.num_cpus=4",
+        # One trial per batch: the table keeps every batch's trials.
+        "hydra.sweeper.n_jobs=1",
+        "cluster.hosts=1",
+        "cluster.devices_per_host=2",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = sweep_rows(sweep_dir)
-    assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
+    assert sorted(r["trial"] for r in rows) == [0, 1]
+    assert all(r["status"] == "completed" for r in rows)
     rates = [float(o.split("=")[1]) for r in rows for o in r["overrides"] if "learning_rate" in o]
     assert len(rates) == 2 and all(1e-4 <= rate <= 1e-1 for rate in rates)
     best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
