@@ -127,6 +127,9 @@ class HostGroupLauncher(Launcher):
             self._trial(initial_job_idx + i, list(overrides), sweep_dir)
             for i, overrides in enumerate(job_overrides)
         ]
+        if not sys.stdout.isatty():
+            # A log or a pipe: Ray's "(trial N pid=...)" prefix without colour codes.
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         connect_ray(cluster)
         log.info(
             f"Launching {len(trials)} trials, at most {settings.max_concurrent} at once, "
