@@ -130,7 +130,10 @@ class HostGroupLauncher(Launcher):
         if not sys.stdout.isatty():
             # A log or a pipe: Ray's "(trial N pid=...)" prefix without colour codes.
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-        connect_ray(cluster)
+        try:
+            connect_ray(cluster)
+        except ConfigError as error:  # an address that answers no Ray cluster
+            raise SweepFailed(f"error: {error}") from None
         log.info(
             f"Launching {len(trials)} trials, at most {settings.max_concurrent} at once, "
             f"into {sweep_dir}"
