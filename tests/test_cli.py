@@ -73,7 +73,9 @@ def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    paths = [Path(p) for p in re.findall(r"^summary: (.+)$", result.stdout, re.MULTILINE)]
+    # Each trial's lines come prefixed with "(trial N pid=...)", in the order they were printed.
+    printed = re.findall(r"summary: (\S+/summary\.json)$", result.stdout, re.MULTILINE)
+    paths = sorted(Path(p) for p in printed)
     assert paths == [
         tmp_path / "sweep" / "0" / "summary.json",
         tmp_path / "sweep" / "1" / "summary.json",
@@ -85,7 +87,7 @@ def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
         assert len(summary["loss_history"]) == 2
     assert "step 4/4" in result.stdout  # plain progress lines when not on a terminal
     assert_no_control_characters(result.stdout + result.stderr)
-    assert re.search(r"^host 1 on .* devices 2048 at \(1,0\), 2049 at \(1,1\)", result.stdout, re.M)
+    assert re.search(r"host 1 on .* devices 2048 at \(1,0\), 2049 at \(1,1\)", result.stdout)
 
     # TensorBoard, pointed at the sweep, shows the trials side by side.
     runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "sweep")).Reload().Runs()

@@ -19,17 +19,15 @@ from training.config import AUTO, ClusterConfig, ConfigError, RayClusterConfig, 
 HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
 
 
-@contextmanager
-def ray_session(cluster: ClusterConfig):
-    """Use the caller's Ray connection if there is one, else start or join one for this run."""
+def connect_ray(cluster: ClusterConfig) -> bool:
+    """Start or join the cluster's Ray instance unless connected; True if this call connected."""
     if ray.is_initialized():
-        yield
-        return
+        return False
     if cluster.name == "local":
         # address="local" starts a fresh instance instead of joining a stale one.
         ray.init(
             address="local",
-            num_cpus=max(os.cpu_count() or 1, cluster.hosts),
+            num_cpus=cluster.num_cpus or max(os.cpu_count() or 1, cluster.hosts),
             include_dashboard=False,
             logging_level="WARNING",
         )
@@ -40,6 +38,15 @@ def ray_session(cluster: ClusterConfig):
             raise ConfigError(
                 f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
             ) from None
+    return True
+
+
+@contextmanager
+def ray_session(cluster: ClusterConfig):
+    """Use the caller's Ray connection if there is one, else start or join one for this run."""
+    if not connect_ray(cluster):
+        yield
+        return
     try:
         yield
     finally:

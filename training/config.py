@@ -153,6 +153,9 @@ class LocalClusterConfig:
     hosts: int = 2
     devices_per_host: int = 4
     placement_timeout_s: float = 60.0
+    # CPUs the local Ray instance offers, one per simulated host: room for this many hosts
+    # at once (a sweep's trials share them). None: this machine's cores.
+    num_cpus: Optional[int] = None
     # Not settable: simulated hosts have CPU devices and share this machine's one node.
     platform: ClassVar[str] = "cpu"
     host_resource: ClassVar[Optional[str]] = None
@@ -160,6 +163,7 @@ class LocalClusterConfig:
     def __post_init__(self) -> None:
         _require(self.hosts >= 1, "cluster.hosts must be >= 1")
         _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+        _require(self.num_cpus is None or self.num_cpus >= 1, "cluster.num_cpus must be >= 1")
 
 
 @dataclass
@@ -279,6 +283,16 @@ class PlanConfig:
         _require(self.min_examples_per_device >= 1, "plan.min_examples_per_device must be >= 1")
 
 
+@dataclass
+class SweepConfig:
+    # Trials of a multirun (`-m`) that may hold host groups at once; more wait in a queue
+    # until the Ray cluster has room for all of a trial's hosts.
+    max_concurrent: int = 4
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "sweep", ("max_concurrent",))
+
+
 ModelConfig = MLPConfig | TransformerConfig
 DataConfig = SyntheticDataConfig | TextDataConfig
 OptimizerConfig = AdamConfig | SGDConfig
@@ -299,6 +313,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -12,13 +12,19 @@ import signal
 import threading
 import time
 import traceback
+import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -47,6 +53,8 @@ from training.tensorboard import ScalarWriter
 POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+QUEUE_POLL_SECONDS = 1.0
+HOST_GROUP_PREFIX = "training-hosts"
 
 
 def _outcome(ref) -> tuple[dict | None, Exception | None]:
@@ -80,21 +88,20 @@ class HostGroup:
     actors: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, cluster: ClusterConfig, plan: Plan) -> HostGroup:
+    def start(cls, cluster: ClusterConfig, plan: Plan, notify: Callable[[str], None]) -> HostGroup:
         bundle = host_bundle(cluster, plan.devices_per_host)
         strategy = placement_strategy(cluster)
-        placement = placement_group([dict(bundle)] * plan.hosts, strategy=strategy)
+        name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
+        placement = placement_group([dict(bundle)] * plan.hosts, strategy=strategy, name=name)
         group = cls(placement)
-        try:
-            ray.get(placement.ready(), timeout=cluster.placement_timeout_s)
-        except GetTimeoutError:
+        if not _wait_for_placement(placement, name, cluster.placement_timeout_s, notify):
             group.shutdown()
             raise ConfigError(
                 f"the Ray cluster could not place {plan.hosts} hosts of {bundle} "
                 f"({strategy}) within cluster.placement_timeout_s="
                 f"{cluster.placement_timeout_s:g}s; it has "
                 f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
-            ) from None
+            )
         env = host_environment(cluster.platform, plan.devices_per_host)
         gpus = bundle.get("GPU", 0.0)
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -116,6 +123,41 @@ class HostGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
         remove_placement_group(self.placement)
+
+
+def _job_group_prefix() -> str:
+    """The name prefix of this Ray job's host groups: a sweep's trials are one job."""
+    return f"{HOST_GROUP_PREFIX}:{ray.get_runtime_context().get_job_id()}:"
+
+
+def _others_hold_hosts(name: str) -> bool:
+    """Whether another host group of this Ray job (another trial of a sweep) is placed."""
+    prefix = _job_group_prefix()
+    return any(
+        group["name"].startswith(prefix) and group["name"] != name and group["state"] == "CREATED"
+        for group in placement_group_table().values()
+    )
+
+
+def _wait_for_placement(
+    placement, name: str, timeout_s: float, notify: Callable[[str], None]
+) -> bool:
+    """Wait until all the group's hosts are placed at once; False after `timeout_s` without.
+
+    While other host groups of this job hold the cluster, this one is queued behind them
+    and the timeout is not running: they free their hosts when their trials end."""
+    ready = placement.ready()
+    unqueued_since = time.monotonic()
+    told = False
+    while not ray.wait([ready], timeout=QUEUE_POLL_SECONDS)[0]:
+        if _others_hold_hosts(name):
+            unqueued_since = time.monotonic()
+            if not told:
+                notify("queued: waiting for hosts held by other trials of this sweep")
+                told = True
+        elif time.monotonic() - unqueued_since > timeout_s:
+            return False
+    return True
 
 
 class Watchdog:
@@ -171,6 +213,7 @@ class Coordinator:
         self.watchdog = Watchdog(plan.hosts, cfg.fault.timeout_s)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
+        self._started_at = time.time()
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -245,7 +288,7 @@ class Coordinator:
         )
 
     def _run_host_group(self) -> list[dict]:
-        group = HostGroup.start(self.cfg.cluster, self.plan)
+        group = HostGroup.start(self.cfg.cluster, self.plan, self._notify)
         inbox = Queue(actor_options={"num_cpus": 0})
         try:
             self._mark("hosts_placed")
@@ -359,6 +402,9 @@ class Coordinator:
                 "needs the same files (data.root, data.glob) and data settings; stopped all hosts"
             )
 
+    def _notify(self, message: str) -> None:
+        self.display.console.print(message, highlight=False)
+
     def _mark(self, phase: str) -> None:
         self.timings.setdefault(phase, time.perf_counter() - self._started)
 
@@ -384,6 +430,9 @@ class Coordinator:
             "examples_per_second": steady_examples_per_second(records) if records else None,
             "per_host_step_seconds": per_host_step_seconds(records) if records else None,
             "wall_seconds": time.perf_counter() - self._started,
+            # Wall-clock times, comparable across the trials of a sweep.
+            "started_at": self._started_at,
+            "finished_at": time.time(),
             "phase_seconds": self.timings,
             "host_identities": self.identities,
             "resumed_from_step": plan.resume_step or 0,

@@ -1,6 +1,8 @@
 """CLI: `python -m training.run [overrides]` composes the config, checks it, runs it.
 
 The run ends by printing `summary: <path>` for the summary.json in Hydra's output directory.
+With `-m` each combination of the overrides is a trial of a sweep, run by the launcher in
+`hydra_plugins/training_launcher`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from pathlib import Path
 
 # The driver only inspects shapes; devices belong to the hosts' actors.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A sweep's trials print alike lines (progress, mesh, hosts); Ray would fold those into one.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray starts its processes with fork+exec after preflight has imported jax; the exec makes
 # jax's warning about forking a multithreaded process moot.
 warnings.filterwarnings("ignore", message="os.fork\\(\\) was called", category=RuntimeWarning)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
@@ -26,6 +31,7 @@ from training.config import ConfigError, RunConfig, register_configs, to_run_con
 from training.coordinator import Coordinator, HostFailure  # noqa: E402
 from training.display import ProgressDisplay, print_summary  # noqa: E402
 from training.preflight import preflight  # noqa: E402
+from training.sweep import objective  # noqa: E402
 
 register_configs()
 
@@ -43,8 +49,13 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
+def main(cfg: DictConfig) -> float:
+    """Train; return the loss a sweeper (Optuna's, say) minimises."""
+    hydra_config = HydraConfig.get()
+    output_dir = Path(hydra_config.runtime.output_dir)
+    if hydra_config.mode == RunMode.MULTIRUN:
+        # The sweep's launcher records a failed trial's error and goes on with the others.
+        return objective(run_training(cfg, output_dir))
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         summary = run_training(cfg, output_dir)
@@ -59,6 +70,7 @@ def main(cfg: DictConfig) -> None:
             f"stopped by {summary['stopped_by']} after step {summary['checkpoint_step']}, "
             f"checkpointed in {summary['checkpoint_dir']}: the same command resumes from it"
         )
+    return objective(summary)
 
 
 if __name__ == "__main__":
