@@ -23,6 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from training.sweep import varying_overrides
+
 RUN_FILES = ("metrics.jsonl", "summary.json")
 HELD_OUT = "eval_loss"
 HOST_LINESTYLES = ("-", "--", ":", "-.")
@@ -91,11 +93,10 @@ def _natural(path: Path) -> list:
 
 def _trial_labels(sweep: Path, run_dirs: list[Path]) -> list[str]:
     """Each trial's path in the sweep and the Hydra overrides that set it apart."""
-    overrides = [_overrides(path) for path in run_dirs]
-    shared = set.intersection(*map(set, overrides))
+    varying = varying_overrides([_overrides(path) for path in run_dirs])
     return [
-        " ".join([str(path.relative_to(sweep)), *(o for o in own if o not in shared)])
-        for path, own in zip(run_dirs, overrides, strict=True)
+        " ".join([str(path.relative_to(sweep)), *own])
+        for path, own in zip(run_dirs, varying, strict=True)
     ]
 
 

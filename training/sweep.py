@@ -140,10 +140,15 @@ def print_results(rows: list[dict], console: Console) -> None:
     console.print(table)
 
 
-def _varying_overrides(rows: list[dict]) -> dict[int, list[str]]:
+def varying_overrides(overrides: list[list[str]]) -> list[list[str]]:
     """Each trial's overrides less those every trial shares: what the sweep varied."""
-    shared = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
-    return {r["trial"]: [o for o in r["overrides"] if o not in shared] for r in rows}
+    shared = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
+    return [[o for o in own if o not in shared] for own in overrides]
+
+
+def _varying_overrides(rows: list[dict]) -> dict[int, list[str]]:
+    varying = varying_overrides([r["overrides"] for r in rows])
+    return {r["trial"]: own for r, own in zip(rows, varying, strict=True)}
 
 
 def _first_line(text: str | None, limit: int = 100) -> str:
