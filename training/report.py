@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from training.sweep import varying_overrides
+from training.sweep import format_number, varying_overrides
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
 HELD_OUT = "eval_loss"
@@ -154,18 +154,14 @@ def table(runs: list[Run]) -> Table:
         summary = run.summary or {}
         steps = f"{run.last('step') or 0}/{summary.get('steps', '?')}"
         # Text, not markup: overrides such as `rules={a:[null,model]}` hold brackets.
-        row = [Text(run.label), run.status, steps, _number(run.final_loss, ".4f")]
-        row += [_number(run.last(HELD_OUT), ".4f")] if held_out else []
+        row = [Text(run.label), run.status, steps, format_number(run.final_loss, ".4f")]
+        row += [format_number(run.last(HELD_OUT), ".4f")] if held_out else []
         row += [
-            _number(summary.get("examples_per_second"), ",.0f"),
-            _number(summary.get("wall_seconds"), ".1f"),
+            format_number(summary.get("examples_per_second"), ",.0f"),
+            format_number(summary.get("wall_seconds"), ".1f"),
         ]
         grid.add_row(*row)
     return grid
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

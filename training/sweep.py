@@ -126,13 +126,13 @@ def print_results(rows: list[dict], console: Console) -> None:
     varying = _varying_overrides(ranked)
     for row in ranked:
         cells = [str(row["trial"]), " ".join(varying[row["trial"]]), row["status"]]
-        cells.append(_number(row["final_loss"], "{:.4f}"))
+        cells.append(format_number(row["final_loss"], ".4f"))
         if show_eval:
-            cells.append(_number(row["eval_loss"], "{:.4f}"))
+            cells.append(format_number(row["eval_loss"], ".4f"))
         cells += [
-            _number(row["examples_per_second"], "{:,.0f}"),
-            _number(row["wall_seconds"], "{:.1f}"),
-            _number(row["queued_seconds"], "{:.1f}"),
+            format_number(row["examples_per_second"], ",.0f"),
+            format_number(row["wall_seconds"], ".1f"),
+            format_number(row["queued_seconds"], ".1f"),
         ]
         if failed:
             cells.append(_first_line(row["error"]))
@@ -157,5 +157,6 @@ def _first_line(text: str | None, limit: int = 100) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _number(value: float | None, style: str) -> str:
-    return "-" if value is None else style.format(value)
+def format_number(value: float | None, spec: str) -> str:
+    """A table cell: the value formatted by `spec`, or "-" where there is none."""
+    return "-" if value is None else format(value, spec)
