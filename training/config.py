@@ -64,35 +64,77 @@ class MeshConfig:
 
 
 @dataclass
-class MLPConfig:
-    name: str = "mlp"
-    d_model: int = 64
-    hidden: int = 256
-    depth: int = 2
+class ModelConfig:
+    """A model is a builder function, a loss and a layout; the built-in models and a user's
+    own are defined the same way (see `training.models`).
+
+    `build`, `loss` and `layout` name Python objects as `module:function`; the module is
+    looked for in the run's working directory first, then in installed packages."""
+
+    name: str = "keras"
+    build: str = MISSING  # called with `kwargs`; returns an uncompiled keras.Model
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    # A Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
+    # `module:function` returning a loss.
+    loss: str = MISSING
+    # Regex (full-matched against variable paths, or `<layer>/output` for an activation) ->
+    # one of data, model, null per dimension.
+    layout_rules: Dict[str, List[Optional[str]]] = field(default_factory=dict)
+    # Or `module:function`, called with the keras DeviceMesh (axes data, model), returning
+    # such a dict or a keras.distribution.LayoutMap. Its rules come first; layout_rules
+    # override the same patterns.
+    layout: str = ""
+    # A token model's context: token data is cut into windows of seq_len + 1 tokens.
+    seq_len: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _require_positive(self, "model", ("d_model", "hidden", "depth"))
+        named = {"build": self.build, "layout": self.layout}
+        if ":" in self.loss:  # else a Keras identifier
+            named["loss"] = self.loss
+        for key, value in named.items():
+            _require(
+                not value or _is_object_path(value),
+                f"model.{key}={value!r} must name a Python object as module:function",
+            )
+        _require(self.seq_len is None or self.seq_len >= 1, "model.seq_len must be >= 1")
+
+    def build_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the `build` function."""
+        return dict(self.kwargs)
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the `layout` function besides the device mesh."""
+        return {}
+
+
+def _is_object_path(value: str) -> bool:
+    module, _, attribute = value.partition(":")
+    return bool(module) and bool(attribute) and all(
+        part.isidentifier() for part in [*module.split("."), *attribute.split(".")]
+    )
 
 
 @dataclass
-class TransformerConfig:
-    name: str = "transformer"
-    layers: int = 2
-    d_model: int = 128
-    heads: int = 8
-    d_ff: int = 512
-    vocab_size: int = 256
-    seq_len: int = 128
-    tie_embeddings: bool = False
+class HubModelConfig(ModelConfig):
+    """A keras-hub backbone built from constructor sizes (random weights, no download) with a
+    causal-LM head; its layout is the backbone's own `get_layout_map`."""
+
+    name: str = "hub"
+    backbone: str = MISSING  # a class of keras_hub.models, e.g. LlamaBackbone
+    build: str = "training.models.hub:causal_lm"
+    loss: str = "training.models.hub:loss"
+    layout: str = "training.models.hub:layout_map"
+    seq_len: Optional[int] = 128
 
     def __post_init__(self) -> None:
-        _require_positive(
-            self, "model", ("layers", "d_model", "heads", "d_ff", "vocab_size", "seq_len")
-        )
-        _require(
-            self.d_model % self.heads == 0,
-            f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}",
-        )
+        super().__post_init__()
+        _require(self.backbone.isidentifier(), f"model.backbone={self.backbone!r} is not a name")
+
+    def build_kwargs(self) -> dict[str, Any]:
+        return {"backbone": self.backbone, "seq_len": self.seq_len, **self.kwargs}
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        return {"backbone": self.backbone}
 
 
 @dataclass
@@ -120,6 +162,39 @@ class TextDataConfig:
     seed: int = 1234  # shuffles the training windows
 
     def __post_init__(self) -> None:
+        _require(self.seq_len >= 1, "data.seq_len must be >= 1")
+        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+
+
+@dataclass
+class ArrayDataConfig:
+    """Arrays on disk: a .npz file, or a directory of .npy files opened memory-mapped."""
+
+    name: str = "arrays"
+    path: str = MISSING
+    held_out_path: str = ""  # empty: the last held_out_percent of the rows are held out
+    held_out_percent: float = 10.0
+    seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "data.path must name a .npz file or a directory of .npy files")
+        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+
+
+@dataclass
+class TokenDataConfig:
+    """A flat binary file of token ids (nanoGPT's train.bin), read as windows."""
+
+    name: str = "tokens"
+    path: str = MISSING
+    dtype: str = "uint16"
+    seq_len: int = 128  # the yaml takes model.seq_len
+    held_out_path: str = ""  # empty: the last held_out_percent of the tokens are held out
+    held_out_percent: float = 10.0
+    seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "data.path must name a binary file of token ids")
         _require(self.seq_len >= 1, "data.seq_len must be >= 1")
         _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
 
@@ -293,8 +368,7 @@ class SweepConfig:
         _require_positive(self, "sweep", ("max_concurrent",))
 
 
-ModelConfig = MLPConfig | TransformerConfig
-DataConfig = SyntheticDataConfig | TextDataConfig
+DataConfig = SyntheticDataConfig | TextDataConfig | ArrayDataConfig | TokenDataConfig
 OptimizerConfig = AdamConfig | SGDConfig
 ClusterConfig = LocalClusterConfig | RayClusterConfig
 
@@ -326,8 +400,13 @@ class RunConfig:
 SCHEMAS = {
     "strategy": {"strategy": StrategyConfig},
     "mesh": {"mesh": MeshConfig},
-    "model": {"mlp": MLPConfig, "transformer": TransformerConfig},
-    "data": {"synthetic": SyntheticDataConfig, "text": TextDataConfig},
+    "model": {"keras": ModelConfig, "hub": HubModelConfig},
+    "data": {
+        "synthetic": SyntheticDataConfig,
+        "text": TextDataConfig,
+        "arrays": ArrayDataConfig,
+        "tokens": TokenDataConfig,
+    },
     "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
     "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
     "trainer": {"trainer": TrainerConfig},

@@ -1,12 +1,18 @@
 """Datasets as indexable example stores, and each host's slice of every batch.
 
-Batch `index` of a split holds examples `index * batch_size ... + batch_size` of the split's
-fixed order (wrapping around). A host materialises only the rows of a batch that its devices
-hold, so hosts never exchange input data and never read each other's examples.
+Batch `index` of a split holds positions `index * batch_size ... + batch_size` of the split's
+stream of examples, which wraps around the data in epochs. A host materialises only the rows
+of a batch that its devices hold, so hosts never exchange input data and never read each
+other's examples.
+
+A dataset gives a `DataSpec` (what a model must accept, what hosts must agree on) and
+`batch(split, index, batch_size, rows) -> (x, y)`, where `x` is one array or a dict of arrays
+by model input name.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,29 +24,90 @@ SPLITS = ("train", "held_out")
 
 
 @dataclass(frozen=True)
+class ArraySpec:
+    """One example's shape and dtype (the batch dimension left out)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        return f"{self.dtype} {list(self.shape)}"
+
+
+@dataclass(frozen=True)
 class DataSpec:
     """What a model needs to know about its data, and what hosts must agree on."""
 
-    kind: str  # "features" (float vectors) or "tokens" (integer sequences)
-    input_shape: tuple[int, ...]
-    num_classes: int  # classes, or the vocabulary of a token stream
-    # Held-out loss of a model that knows only how often each label occurs in training:
-    # a trained model must beat it.
-    baseline_loss: float
+    # One array, or a dict by model input name (a model with several named inputs).
+    inputs: ArraySpec | dict[str, ArraySpec]
+    labels: ArraySpec
+    examples: int  # in the training split (windows, for token streams)
     fingerprint: str  # hosts that read different data would train on garbage
+    # Classes, or the vocabulary of a token stream, where labels are class ids; else None.
+    num_classes: int | None = None
+    # Held-out loss of a model that knows only how often each label occurs in training:
+    # a trained model must beat it. None where labels are not class ids.
+    baseline_loss: float | None = None
+    # Positions a loss averages over per example: the tokens of a sequence, else 1.
+    positions_per_example: int = 1
 
 
 class Dataset(Protocol):
     spec: DataSpec
 
-    def batch(
-        self, split: str, index: int, batch_size: int, rows: slice
-    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple: ...
 
 
 def batch_positions(index: int, batch_size: int, rows: slice, count: int) -> np.ndarray:
-    """Positions in a split's order of rows `rows` of batch `index`."""
+    """Positions in a split's fixed order of rows `rows` of batch `index` (one order,
+    reused every time the data wraps around)."""
     return (index * batch_size + np.arange(rows.start, rows.stop)) % count
+
+
+class EpochOrder:
+    """Rows of a split by stream position: epoch `p // count` visits every row once, in an
+    order shuffled from (seed, epoch), the same on every host. A resumed run reads the same
+    rows at the same positions."""
+
+    def __init__(self, count: int, seed: int, shuffle: bool = True):
+        self.count, self.seed, self.shuffle = count, seed, shuffle
+        self._orders: dict[int, np.ndarray] = {}
+
+    def rows(self, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Row ids of rows `rows` of batch `index`."""
+        positions = index * batch_size + np.arange(rows.start, rows.stop, dtype=np.int64)
+        if not self.shuffle:
+            return positions % self.count
+        epochs, offsets = np.divmod(positions, self.count)
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            out[here] = self._order(int(epoch))[offsets[here]]
+        return out
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            # A batch spans at most two epochs: keep the newest few orders only.
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders[epoch] = rng.permutation(self.count)
+        return self._orders[epoch]
+
+
+def sampled_fingerprint(*parts: object, arrays: tuple[np.ndarray, ...] = (), blocks: int = 8):
+    """A fingerprint that reads O(1) bytes however large the arrays are: their shapes and
+    dtypes, `parts`, and `blocks` evenly spaced blocks of each array's bytes."""
+    digest = hashlib.sha256(repr(parts).encode())
+    for array in arrays:
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        flat = array.reshape(-1) if array.flags.c_contiguous else np.ravel(array)
+        if flat.size == 0:
+            continue
+        block = max(1, min(flat.size, 4096 // max(1, flat.itemsize)))
+        for start in np.linspace(0, flat.size - block, blocks, dtype=np.int64):
+            digest.update(np.ascontiguousarray(flat[start : start + block]).tobytes())
+    return digest.hexdigest()
 
 
 def prior_cross_entropy(train_labels: np.ndarray, held_out_labels: np.ndarray, classes: int):

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 
 from training.config import SyntheticDataConfig
-from training.data import DataSpec, batch_positions, prior_cross_entropy
+from training.data import ArraySpec, DataSpec, batch_positions, prior_cross_entropy
 
 
 class SyntheticClassification:
@@ -27,11 +27,12 @@ class SyntheticClassification:
             "held_out": (features[held_out], labels[held_out], np.arange(cfg.held_out_examples)),
         }
         self.spec = DataSpec(
-            kind="features",
-            input_shape=(cfg.features,),
+            inputs=ArraySpec((cfg.features,), "float32"),
+            labels=ArraySpec((), "int32"),
+            examples=cfg.examples,
+            fingerprint=hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest(),
             num_classes=cfg.classes,
             baseline_loss=prior_cross_entropy(labels[train], labels[held_out], cfg.classes),
-            fingerprint=hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest(),
         )
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):

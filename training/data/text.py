@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ConfigError, TextDataConfig
-from training.data import DataSpec, batch_positions, prior_cross_entropy
+from training.data import ArraySpec, DataSpec, batch_positions, prior_cross_entropy
 
 VOCAB = 256  # bytes
 
@@ -67,11 +67,13 @@ class TextCorpus:
             "held_out": np.arange(0, len(held_out) - self.window + 1, self.window),
         }
         self.spec = DataSpec(
-            kind="tokens",
-            input_shape=(cfg.seq_len,),
+            inputs=ArraySpec((cfg.seq_len,), "int32"),
+            labels=ArraySpec((cfg.seq_len,), "int32"),
+            examples=len(order),
+            fingerprint=hashlib.sha256(train.tobytes() + held_out.tobytes()).hexdigest(),
             num_classes=VOCAB,
             baseline_loss=prior_cross_entropy(train, held_out, VOCAB),
-            fingerprint=hashlib.sha256(train.tobytes() + held_out.tobytes()).hexdigest(),
+            positions_per_example=cfg.seq_len,
         )
 
     def window_starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
