@@ -7,7 +7,7 @@ of the live arrays against the ideal (everything split over the model axis) and 
 plan's prediction. One process, 8 CPU devices; no timing, so the machine's load does not
 matter.
 
-    python scripts/bench_comm.py [--overrides model.layers=4 model.d_model=256 ...]
+    python scripts/bench_comm.py [--overrides model.kwargs.layers=4 model.kwargs.d_model=256 ...]
 """
 
 from __future__ import annotations

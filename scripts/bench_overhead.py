@@ -10,7 +10,7 @@ Every way waits for each step's loss (the system reports it), so all three are t
 Fake CPU devices share the machine's cores and other work on the machine adds noise:
 compare the ratios of one run, not absolute times.
 
-    python scripts/bench_overhead.py [--steps 40] [--overrides model.layers=4 ...]
+    python scripts/bench_overhead.py [--steps 40] [--overrides model.kwargs.layers=4 ...]
 """
 
 from __future__ import annotations

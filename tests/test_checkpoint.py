@@ -79,7 +79,9 @@ def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, 
 def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     trained_checkpoint(tmp_path)
     before = snapshot(tmp_path)
-    cfg = run_config(FAST + [f"checkpoint.dir={tmp_path}", "model.hidden=128", "optimizer=sgd"])
+    cfg = run_config(
+        FAST + [f"checkpoint.dir={tmp_path}", "model.kwargs.hidden=128", "optimizer=sgd"]
+    )
     with pytest.raises(ConfigError, match="of a different model") as error:
         preflight(cfg)
     message = str(error.value)

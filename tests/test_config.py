@@ -8,12 +8,18 @@ from training.config import (
     AdamConfig,
     ConfigError,
     LocalClusterConfig,
-    MLPConfig,
+    ModelConfig,
     RayClusterConfig,
     SGDConfig,
 )
 
 GROUP_OPTIONS = sorted((path.parent.name, path.stem) for path in CONF_DIR.glob("*/*.yaml"))
+# What an option needs that it cannot have a default for.
+REQUIRED = {
+    ("model", "keras"): ["model.build=my_models:get_model", "model.loss=mse"],
+    ("data", "arrays"): ["data.path=train.npz"],
+    ("data", "tokens"): ["data.path=train.bin"],
+}
 
 
 def test_every_group_has_options():
@@ -23,9 +29,30 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)
 def test_every_option_composes_into_typed_config(group, option):
-    cfg = run_config([f"{group}={option}"])
+    cfg = run_config([f"{group}={option}", *REQUIRED.get((group, option), [])])
     node = getattr(cfg, group)
     assert not isinstance(node, dict), f"{group}={option} was not converted to its dataclass"
+
+
+@pytest.mark.parametrize("key", ["model.build", "model.loss"])
+def test_a_value_without_default_must_be_given(key):
+    given = [o for o in REQUIRED[("model", "keras")] if not o.startswith(key)]
+    with pytest.raises(ConfigError, match=f"{key} has no default: give it on the command line"):
+        run_config(["model=keras", *given])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.build=my_models", "model.build='my_models' must name a Python object as"),
+        ("model.loss=my-losses:huber", "model.loss='my-losses:huber' must name"),
+        ("model.layout=layouts.get", "model.layout='layouts.get' must name"),
+    ],
+)
+def test_object_paths_are_module_colon_function(override, message):
+    overrides = [*REQUIRED[("model", "keras")], override]
+    with pytest.raises(ConfigError, match=message):
+        run_config(["model=keras", *overrides])
 
 
 def test_defaults_are_data_parallel_on_two_local_hosts_of_four_devices():
@@ -34,7 +61,8 @@ def test_defaults_are_data_parallel_on_two_local_hosts_of_four_devices():
     assert isinstance(cfg.cluster, LocalClusterConfig)
     assert (cfg.cluster.hosts, cfg.cluster.devices_per_host) == (2, 4)
     assert (cfg.mesh.data, cfg.mesh.model) == (-1, -1)
-    assert isinstance(cfg.model, MLPConfig) and isinstance(cfg.optimizer, AdamConfig)
+    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.optimizer, AdamConfig)
+    assert cfg.model.build == "training.models.mlp:build"
 
 
 def test_options_get_their_own_schema():

@@ -184,8 +184,8 @@ def test_a_host_silent_during_setup_is_caught_too(ray_cluster, tmp_path):
 TRANSFORMER = [
     "model=transformer",
     "data=text",
-    "model.d_model=64",
-    "model.d_ff=256",
+    "model.kwargs.d_model=64",
+    "model.kwargs.d_ff=256",
     "model.seq_len=64",
     "trainer.log_interval=1",
 ]

@@ -73,7 +73,7 @@ def test_plan_cli_warns_about_a_split_that_wastes_devices():
             "training.plan",
             "strategy=hybrid",
             "model=mlp",
-            "model.d_model=256",
+            "model.kwargs.d_model=256",
             "trainer.global_batch=8",
         ],
         capture_output=True,

@@ -73,13 +73,17 @@ def test_variable_matched_by_two_rules_is_rejected():
         ),
         (
             ["data=text"],
-            "model=mlp reads features but this data gives tokens; use model=transformer",
+            r"the data's x has examples of shape \[128\] but the model's input 'features' takes "
+            r"shape \[32\]",
         ),
-        (["model=transformer"], "model=transformer reads tokens but this data gives features"),
-        (["model=transformer", "data=text", "model.vocab_size=128"], "smaller than the data's"),
-        (["model=transformer", "data=text", "data.seq_len=64"], "model.seq_len=128 but the data"),
+        (["model=transformer"], r"x has examples of shape \[32\] but the model's input 'tokens'"),
         (
-            ["model=transformer", "data=text", "strategy=model_parallel", "model.heads=4"],
+            ["model=transformer", "data=text", "model.kwargs.vocab_size=128"],
+            "the labels hold 256 classes .* but the model outputs 128 scores per example",
+        ),
+        (["model=transformer", "data=text", "data.seq_len=64"], r"shape \[64\] but the model's"),
+        (
+            ["model=transformer", "data=text", "strategy=model_parallel", "model.kwargs.heads=4"],
             r"block_0_attention/query/kernel \(size 4, shape \[128, 4, 32\]\) over mesh.model=8",
         ),
         (

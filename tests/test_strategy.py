@@ -25,8 +25,8 @@ def built_model():
 
     def build(strategy: str, mesh: MeshShape, extra_rules=None):
         cfg = run_config([f"strategy={strategy}"])
-        rules = models.layout_rules(cfg.model, extra_rules)
         grid = device_grid(jax.devices(), mesh)
+        rules = models.layout_rules(cfg.model, mesh.as_tuple(), extra_rules, grid)
         keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
         keras.utils.set_random_seed(0)
         return models.build_model(cfg.model, build_dataset(cfg.data).spec), rules

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import fake_devices, run_config
 from training.config import ConfigError, TextDataConfig
-from training.data import build_dataset
+from training.data import ArraySpec, build_dataset
 from training.data.text import TextCorpus
 from training.strategy import MeshShape, device_grid, host_batch_rows
 
@@ -38,7 +38,11 @@ def files_seen(windows: np.ndarray) -> set[int]:
 
 def test_the_default_corpus_is_the_standard_library_as_bytes(stdlib_corpus):
     spec = stdlib_corpus.spec
-    assert (spec.kind, spec.num_classes, spec.input_shape) == ("tokens", 256, (128,))
+    assert (spec.num_classes, spec.inputs, spec.labels) == (
+        256,
+        ArraySpec((128,), "int32"),
+        ArraySpec((128,), "int32"),
+    )
     names = {p.name for p in stdlib_corpus.files["train"]}
     assert "functools.py" in names or "functools.py" in {
         p.name for p in stdlib_corpus.files["held_out"]

@@ -16,10 +16,10 @@ from training.strategy import MeshShape, build_distribution, device_grid
 TEXT = ["model=transformer", "data=text"]
 # A transformer small enough to train a few steps in seconds.
 TINY = TEXT + [
-    "model.layers=1",
-    "model.d_model=32",
-    "model.heads=4",
-    "model.d_ff=64",
+    "model.kwargs.layers=1",
+    "model.kwargs.d_model=32",
+    "model.kwargs.heads=4",
+    "model.kwargs.d_ff=64",
     "model.seq_len=16",
     "trainer.global_batch=16",
     "trainer.steps=4",
@@ -38,7 +38,7 @@ def restore_keras_globals():
 def build_under(strategy: str, mesh: MeshShape, overrides: list[str]):
     cfg = run_config([f"strategy={strategy}"] + overrides)
     grid = device_grid(jax.devices(), mesh)
-    rules = models.layout_rules(cfg.model)
+    rules = models.layout_rules(cfg.model, mesh.as_tuple(), devices=grid)
     keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
     keras.utils.set_random_seed(0)
     return models.build_model(cfg.model, build_dataset(cfg.data).spec)
@@ -54,7 +54,7 @@ def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> li
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_large_variable_is_split_over_the_model_axis(tied):
-    model = build_under("hybrid", MeshShape(2, 4), TEXT + [f"model.tie_embeddings={tied}"])
+    model = build_under("hybrid", MeshShape(2, 4), TEXT + [f"model.kwargs.tie_embeddings={tied}"])
     variables = trainer.describe_variables(model.variables)
     total = sum(v["bytes"] for v in variables.values())
     per_device = sum(v["shard_bytes"] for v in variables.values())
@@ -65,7 +65,7 @@ def test_every_large_variable_is_split_over_the_model_axis(tied):
         elif v["shard_bytes"] == v["bytes"]:  # on purpose: norms, biases after an all-reduce
             assert len(v["shape"]) == 1, path
     assert per_device <= 0.3 * total
-    assert ("lm_head/kernel" in variables) is not tied
+    assert ("lm_head/embeddings" in variables) is not tied
 
 
 def test_the_layout_gives_every_device_whole_attention_heads():

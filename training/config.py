@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
@@ -84,8 +84,8 @@ class ModelConfig:
     # such a dict or a keras.distribution.LayoutMap. Its rules come first; layout_rules
     # override the same patterns.
     layout: str = ""
-    # A token model's context: token data is cut into windows of seq_len + 1 tokens.
-    seq_len: Optional[int] = None
+    # Token data (data=text, data=tokens) is cut into windows of seq_len + 1 tokens.
+    seq_len: int = 128
 
     def __post_init__(self) -> None:
         named = {"build": self.build, "layout": self.layout}
@@ -96,7 +96,7 @@ class ModelConfig:
                 not value or _is_object_path(value),
                 f"model.{key}={value!r} must name a Python object as module:function",
             )
-        _require(self.seq_len is None or self.seq_len >= 1, "model.seq_len must be >= 1")
+        _require(self.seq_len >= 1, "model.seq_len must be >= 1")
 
     def build_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the `build` function."""
@@ -109,8 +109,10 @@ class ModelConfig:
 
 def _is_object_path(value: str) -> bool:
     module, _, attribute = value.partition(":")
-    return bool(module) and bool(attribute) and all(
-        part.isidentifier() for part in [*module.split("."), *attribute.split(".")]
+    return (
+        bool(module)
+        and bool(attribute)
+        and all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
     )
 
 
@@ -124,7 +126,6 @@ class HubModelConfig(ModelConfig):
     build: str = "training.models.hub:causal_lm"
     loss: str = "training.models.hub:loss"
     layout: str = "training.models.hub:layout_map"
-    seq_len: Optional[int] = 128
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -431,6 +432,10 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         run = OmegaConf.to_object(cfg)
     except ConfigError:
         raise
+    except MissingMandatoryValue as error:
+        raise ConfigError(
+            f"{error.full_key} has no default: give it on the command line ({error.full_key}=...)"
+        ) from None
     except Exception as error:  # omegaconf reports type errors with its own exception types
         raise ConfigError(str(error)) from None
     _require(isinstance(run, RunConfig), "the root config must extend run_schema")

@@ -8,6 +8,7 @@ its processes.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -297,7 +298,9 @@ class Coordinator:
             coordinator = ray.get(group.actors[0].coordinator_address.remote())
             init_timeout = self.cfg.fault.timeout_s
             calls = {
-                actor.train.remote(self.cfg, self.plan.mesh, coordinator, inbox, init_timeout): host
+                actor.train.remote(
+                    self.cfg, self.plan.mesh, coordinator, inbox, init_timeout, os.getcwd()
+                ): host
                 for host, actor in enumerate(group.actors)
             }
             return self._supervise(calls, inbox, group.actors)

@@ -53,22 +53,18 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
     try:
         # The optimizer's own scalars have no deferred initializer: they are made for real.
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+        model = models.abstract_model(cfg.model, data_spec)
         with keras.StatelessScope():
-            model = models.build_model(cfg.model, data_spec)
             optimizer.build(model.trainable_variables)
     finally:
         keras.config.set_dtype_policy(previous)
     return AbstractModel(
-        variables=tuple(_info(v) for v in model.variables),
+        variables=tuple(models.variable_info(v) for v in model.variables),
         trainable=frozenset(v.path for v in model.trainable_variables),
         optimizer_variables=_shadowed(optimizer.variables, model.trainable_variables),
         activation_bytes_per_example=_layer_output_bytes(model),
-        positions_per_example=data_spec.input_shape[0] if data_spec.kind == "tokens" else 1,
+        positions_per_example=data_spec.positions_per_example,
     )
-
-
-def _info(variable) -> VariableInfo:
-    return VariableInfo(variable.path, tuple(variable.shape), str(variable.dtype))
 
 
 def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str | None], ...]:
@@ -79,7 +75,7 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
     for variable in optimizer_variables:
         name = variable.path.split("/", 1)[-1]
         owner = next((path for prefix, path in prefixes if name.startswith(prefix)), None)
-        paired.append((_info(variable), owner))
+        paired.append((models.variable_info(variable), owner))
     return tuple(paired)
 
 
@@ -103,11 +99,11 @@ def _dtype_bytes(dtype: str) -> int:
     return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
 
 
-def layout_rules(cfg: RunConfig, strategy: str) -> LayoutRules:
+def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
     """Data parallel replicates every variable; the other strategies use the model's rules."""
     if strategy == "data_parallel":
         return {}
-    return models.layout_rules(cfg.model, cfg.strategy.layout_rules)
+    return models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules)
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
@@ -146,7 +142,7 @@ def strategy_cost(
     cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
 ) -> StrategyCost:
     """The cost on `mesh` of one step on `examples` examples (split over the data axis)."""
-    rules = layout_rules(cfg, strategy)
+    rules = layout_rules(cfg, strategy, mesh)
 
     def per_device(variable: VariableInfo, layout_path: str) -> int:
         return variable_bytes(variable) // split_ways(layout_path, rules, mesh)
@@ -157,11 +153,8 @@ def strategy_cost(
     trainable_bytes = sum(b for path, b in parameters.items() if path in model.trainable)
     gradients = Collective("all-reduce", trainable_bytes, mesh.data, "gradients")
     value_bytes = VALUE_BYTES[cfg.trainer.precision]
-    tensor_parallel = (
-        models.model_axis_collectives(cfg.model, rows, value_bytes, mesh.model)
-        if mesh.model > 1
-        else []
-    )
+    tensor_parallel = []  # TODO(merge): derived from the layout (branch `plan`)
+    del value_bytes
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,

@@ -68,9 +68,20 @@ class HostActor:
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def train(
-        self, cfg: RunConfig, mesh: MeshShape, coordinator: str, inbox, init_timeout_s: float
+        self,
+        cfg: RunConfig,
+        mesh: MeshShape,
+        coordinator: str,
+        inbox,
+        init_timeout_s: float,
+        driver_dir: str,
     ) -> dict:
+        from training.models.locate import put_first_on_path, working_dirs
         from training.trainer import train
+
+        # The user's model module: from this host's working directory (a Ray job's shipped
+        # directory), or the driver's where this host shares its filesystem.
+        put_first_on_path(working_dirs([driver_dir]))
 
         def report(event: dict) -> None:
             inbox.put({**event, "host": self.host_index, "time": time.time()})

@@ -16,10 +16,10 @@ from training.trainer import build_on_grid, describe_variables
 BENCH_TRANSFORMER = [
     "model=transformer",
     "data=text",
-    "model.layers=2",
-    "model.d_model=64",
-    "model.heads=8",
-    "model.d_ff=256",
+    "model.kwargs.layers=2",
+    "model.kwargs.d_model=64",
+    "model.kwargs.heads=8",
+    "model.kwargs.d_ff=256",
     "model.seq_len=32",
 ]
 

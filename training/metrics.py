@@ -61,6 +61,8 @@ def join_host_reports(reports: list[dict]) -> dict:
         "interval_examples": examples,
         "interval_seconds": interval_seconds,
         "learning_rate": reports[0]["learning_rate"],
+        # Each host's example ids of this step: which rows of the data it really read.
+        "rows_fed": [r["rows_fed"] for r in reports],
         **_held_out(reports),
     }
 

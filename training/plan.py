@@ -139,7 +139,7 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
 
 
 def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
-    rules = layout_rules(cfg, cost.strategy)
+    rules = layout_rules(cfg, cost.strategy, cost.mesh)
     return [
         f"{v.path} {list(v.shape)}"
         for v in model.variables

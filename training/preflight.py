@@ -30,11 +30,15 @@ def preflight(cfg: RunConfig) -> Plan:
     mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)
     data_spec = build_dataset(cfg.data).spec
-    models.check_data_fits(cfg.model, data_spec)
-    variables = models.abstract_variables(cfg.model, data_spec)
+    check_enough_examples(cfg.trainer, data_spec)
+    model = models.abstract_model(cfg.model, data_spec)
+    models.check_labels_fit(cfg.model, model, data_spec)
+    variables = [models.variable_info(v) for v in model.variables]
     if cfg.strategy.name != "data_parallel":
         check_layout_rules(
-            models.layout_rules(cfg.model, cfg.strategy.layout_rules), variables, mesh
+            models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules),
+            variables,
+            mesh,
         )
     resume_step = inspect_checkpoints(cfg, variables) if cfg.checkpoint.enabled else None
     return Plan(mesh, hosts, per_host, data_spec, tuple(variables), resume_step)
@@ -52,6 +56,14 @@ def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> N
     for divisor, what in ((mesh.data, "the data axis size mesh.data"), (hosts, "the host count")):
         if batch % divisor:
             raise ConfigError(f"{what_batch} is not divisible by {what} ({divisor})")
+
+
+def check_enough_examples(trainer: TrainerConfig, data_spec: DataSpec) -> None:
+    if data_spec.examples < trainer.global_batch:
+        raise ConfigError(
+            f"the training data has {data_spec.examples} examples, fewer than one global batch "
+            f"(trainer.global_batch={trainer.global_batch})"
+        )
 
 
 def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: MeshShape) -> None:

@@ -24,6 +24,9 @@ class MeshShape:
     def devices(self) -> int:
         return self.data * self.model
 
+    def as_tuple(self) -> tuple[int, int]:
+        return (self.data, self.model)
+
     def as_dict(self) -> dict[str, int]:
         return {"data": self.data, "model": self.model}
 

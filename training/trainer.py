@@ -93,12 +93,14 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
     keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    rules = models.layout_rules(cfg.model, cfg.strategy.layout_rules)
+    rules = {}
+    if cfg.strategy.name != "data_parallel":
+        rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
     keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
     dataset = build_dataset(cfg.data)
     model = models.build_model(cfg.model, dataset.spec)
     optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
-    model.compile(optimizer=optimizer, loss=models.loss(cfg.model))
+    model.compile(optimizer=optimizer, loss=models.build_loss(cfg.model))
     # Built now rather than at the first step, so that a checkpoint can be restored into it.
     optimizer.build(model.trainable_variables)
     return model, dataset
@@ -166,6 +168,12 @@ class HostFeed:
         # Each loss is its micro-batch's, already agreed on by every process.
         return sum(float(loss) for loss in losses) / k
 
+    def rows_fed(self, step: int) -> list[int]:
+        """Ids of the training examples this host fed at `step`, every micro-batch's."""
+        k, size = self.trainer.accumulate, self.trainer.micro_batch
+        fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
+        return np.concatenate(fed).tolist()
+
     def held_out_loss(self, model) -> float:
         """Mean loss over the first `eval_batches` global batches of held-out data, fed in
         micro-batches like training."""
@@ -208,6 +216,7 @@ def _train_loop(
                 "steps": interval_steps,
                 "examples": examples_per_step * interval_steps,
                 "learning_rate": float(model.optimizer.learning_rate),
+                "rows_fed": feed.rows_fed(step),
             }
             if evaluate:
                 event["eval_loss"] = feed.held_out_loss(model)

@@ -7,7 +7,7 @@ other's examples.
 
 A dataset gives a `DataSpec` (what a model must accept, what hosts must agree on) and
 `batch(split, index, batch_size, rows) -> (x, y)`, where `x` is one array or a dict of arrays
-by model input name.
+by model input name, and `rows(...)` with the same arguments: the ids of the examples read.
 """
 
 from __future__ import annotations
@@ -55,7 +55,13 @@ class DataSpec:
 class Dataset(Protocol):
     spec: DataSpec
 
-    def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple: ...
+    def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple:
+        """(x, y) of rows `rows` of batch `index` of a split."""
+        ...
+
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Ids of the examples (rows, windows) that `batch` with these arguments reads."""
+        ...
 
 
 def batch_positions(index: int, batch_size: int, rows: slice, count: int) -> np.ndarray:

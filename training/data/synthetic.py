@@ -35,7 +35,11 @@ class SyntheticClassification:
             baseline_loss=prior_cross_entropy(labels[train], labels[held_out], cfg.classes),
         )
 
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        order = self.splits[split][2]
+        return order[batch_positions(index, batch_size, rows, len(order))]
+
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
-        features, labels, order = self.splits[split]
-        indices = order[batch_positions(index, batch_size, rows, len(order))]
+        features, labels, _ = self.splits[split]
+        indices = self.rows(split, index, batch_size, rows)
         return features[indices], labels[indices]

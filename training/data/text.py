@@ -81,6 +81,11 @@ class TextCorpus:
         starts = self.starts[split]
         return starts[batch_positions(index, batch_size, rows, len(starts))]
 
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Window ids: a window's offset over the spacing of the split's windows."""
+        spacing = self.window - 1 if split == "train" else self.window
+        return self.window_starts(split, index, batch_size, rows) // spacing
+
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         starts = self.window_starts(split, index, batch_size, rows)
         windows = self.streams[split][starts[:, None] + np.arange(self.window)].astype(np.int32)

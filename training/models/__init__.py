@@ -1,25 +1,37 @@
-"""Model registry: each model module defines `build`, `layout_rules`, `loss`, `INPUT_KIND` and
-`model_axis_collectives` (what its layout must communicate over the model axis)."""
+"""The model contract: what every model, the built-in ones and a user's own, provides.
+
+A model is three things, named in the `model` config group:
+
+- `model.build`: `module:function`, called with `model.kwargs` on every host after the
+  distribution is set. It returns an uncompiled `keras.Model`: functional, Sequential or
+  subclassed, with one input or several named ones (fed from data arrays `x_<input name>`).
+- `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
+  `module:function` returning a loss.
+- The layout: `model.layout_rules`, regexes full-matched against variable paths (or
+  `<layer path>/output` for a layer's activation) mapped to one of `data`, `model` or null
+  per dimension; and/or `model.layout=module:function`, called with the keras `DeviceMesh`
+  (axes `data` and `model`), returning such a dict or a `keras.distribution.LayoutMap`.
+
+Modules are found from the working directory first, then installed packages. The built-in
+models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the same way.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
-import keras
+import numpy as np
 
-from training.collectives import Collective
 from training.config import ConfigError, ModelConfig
-from training.data import DataSpec
-from training.models import mlp, transformer
-
-MODELS: dict[str, ModuleType] = {"mlp": mlp, "transformer": transformer}
+from training.data import ArraySpec, DataSpec
+from training.models.locate import locate
 
 # A layout rule maps a regex, full-matched against a variable path such as
 # `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension. A rule for
 # `<layer path>/output` lays out that layer's output instead (an activation rule).
 LayoutRules = dict[str, tuple[str | None, ...]]
 ACTIVATION_RULE_SUFFIX = "/output"
+MESH_AXES = ("data", "model")
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).
@@ -33,56 +45,216 @@ class VariableInfo:
     dtype: str
 
 
-def _module(model_cfg: ModelConfig) -> ModuleType:
-    return MODELS[model_cfg.name]
+def build_model(cfg: ModelConfig, data_spec: DataSpec):
+    """Call the model's build function and build its variables for the data's inputs."""
+    import keras
 
-
-def check_data_fits(model_cfg: ModelConfig, data_spec: DataSpec) -> None:
-    """A model reads one kind of input; a token model's vocabulary must cover the data's."""
-    kind = _module(model_cfg).INPUT_KIND
-    if kind != data_spec.kind:
-        suitable = sorted(name for name, m in MODELS.items() if data_spec.kind == m.INPUT_KIND)
+    build = locate("model.build", cfg.build)
+    try:
+        model = build(**cfg.build_kwargs())
+    except ConfigError:
+        raise
+    except Exception as error:
         raise ConfigError(
-            f"model={model_cfg.name} reads {kind} but this data gives {data_spec.kind}; "
-            f"use model={' or model='.join(suitable)}"
-        )
-    seq_len = getattr(model_cfg, "seq_len", None)
-    if seq_len is not None and (seq_len,) != data_spec.input_shape:
+            f"model.build={cfg.build!r} raised {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(model, keras.Model):
         raise ConfigError(
-            f"model.seq_len={seq_len} but the data gives sequences of {data_spec.input_shape[0]}"
-            " tokens (data.seq_len); leave data.seq_len to follow the model"
+            f"model.build={cfg.build!r} returned a {type(model).__name__}, not a keras.Model"
         )
-    vocab = getattr(model_cfg, "vocab_size", None)
-    if vocab is not None and vocab < data_spec.num_classes:
+    _check_inputs(model, data_spec)
+    try:
+        # Builds a subclassed model's variables; a functional model only checks its inputs.
+        model(symbolic_inputs(data_spec))
+    except Exception as error:
         raise ConfigError(
-            f"model.vocab_size={vocab} is smaller than the data's vocabulary "
-            f"({data_spec.num_classes} tokens)"
+            f"the data's inputs ({describe(data_spec.inputs)}) do not fit the model built by "
+            f"model.build={cfg.build!r}: {type(error).__name__}: {error}"
+        ) from None
+    return model
+
+
+def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
+    """The model with its variables' paths and shapes but no weights allocated."""
+    import keras
+    from keras.src.utils.naming import reset_uids
+
+    # Fresh layer-name counters, so that a subclassed model's name (and so its variables'
+    # paths) is the one a host's first build, in a fresh process, gives it.
+    reset_uids()
+    with keras.StatelessScope():
+        return build_model(cfg, data_spec)
+
+
+def abstract_variables(cfg: ModelConfig, data_spec: DataSpec) -> list[VariableInfo]:
+    return [variable_info(v) for v in abstract_model(cfg, data_spec).variables]
+
+
+def variable_info(variable) -> VariableInfo:
+    return VariableInfo(variable.path, tuple(variable.shape), str(variable.dtype))
+
+
+def symbolic_inputs(data_spec: DataSpec):
+    import keras
+
+    def tensor(spec: ArraySpec, name: str | None = None):
+        return keras.KerasTensor((None, *spec.shape), dtype=spec.dtype, name=name)
+
+    if isinstance(data_spec.inputs, dict):
+        return {name: tensor(spec, name) for name, spec in data_spec.inputs.items()}
+    return tensor(data_spec.inputs)
+
+
+def describe(inputs: ArraySpec | dict[str, ArraySpec]) -> str:
+    if isinstance(inputs, dict):
+        return ", ".join(f"x_{name} {spec.describe()}" for name, spec in inputs.items())
+    return f"x {inputs.describe()}"
+
+
+def _model_inputs(model) -> list | None:
+    """A functional or Sequential model's input tensors; None for a subclassed model."""
+    try:
+        return list(model.inputs)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _check_inputs(model, data_spec: DataSpec) -> None:
+    """The data's arrays against the model's declared inputs, by name and shape."""
+    inputs = _model_inputs(model)
+    if not inputs:
+        return
+    given = data_spec.inputs
+    if isinstance(given, dict):
+        expected = {tensor.name: tensor for tensor in inputs}
+        if set(expected) != set(given):
+            raise ConfigError(
+                f"the model's inputs are named {sorted(expected)} but the data gives "
+                f"{sorted(given)} (arrays x_<input name>)"
+            )
+        pairs = [(f"x_{name}", given[name], expected[name]) for name in given]
+    elif len(inputs) == 1:
+        pairs = [("x", given, inputs[0])]
+    else:
+        raise ConfigError(
+            f"the model has {len(inputs)} inputs {[t.name for t in inputs]} but the data gives "
+            "one array x; give one array x_<input name> per input"
+        )
+    for array, spec, tensor in pairs:
+        wanted = tuple(tensor.shape[1:])
+        fits = len(wanted) == len(spec.shape) and all(
+            w is None or w == s for w, s in zip(wanted, spec.shape, strict=True)
+        )
+        if not fits:
+            raise ConfigError(
+                f"the data's {array} has examples of shape {list(spec.shape)} but the model's "
+                f"input {tensor.name!r} takes shape {list(wanted)} (batch dimension left out)"
+            )
+
+
+def build_loss(cfg: ModelConfig):
+    """The loss object or function `model.loss` names."""
+    import keras
+
+    if ":" in cfg.loss:
+        make = locate("model.loss", cfg.loss)
+        try:
+            return make()
+        except Exception as error:
+            raise ConfigError(
+                f"model.loss={cfg.loss!r} raised {type(error).__name__}: {error}"
+            ) from None
+    try:
+        return keras.losses.get(cfg.loss)
+    except ValueError:
+        raise ConfigError(
+            f"model.loss={cfg.loss!r} is not a Keras loss identifier (e.g. mse, "
+            "sparse_categorical_crossentropy) nor module:function"
+        ) from None
+
+
+def check_labels_fit(cfg: ModelConfig, model, data_spec: DataSpec) -> None:
+    """The data's labels against the model's output under the loss, computed abstractly."""
+    import jax
+
+    loss = build_loss(cfg)
+    output = model(symbolic_inputs(data_spec))
+    labels = data_spec.labels
+    try:
+        value = jax.eval_shape(
+            lambda y, p: loss(y, p),
+            jax.ShapeDtypeStruct((2, *labels.shape), labels.dtype),
+            jax.tree.map(lambda t: jax.ShapeDtypeStruct((2, *t.shape[1:]), t.dtype), output),
+        )
+    except Exception as error:
+        raise ConfigError(
+            f"the data's labels y {labels.describe()} do not fit model.loss={cfg.loss!r} and "
+            f"the model's output {_shapes(output)}: {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}"
+        ) from None
+    if any(np.prod(leaf.shape) != 1 for leaf in jax.tree.leaves(value)):
+        raise ConfigError(
+            f"model.loss={cfg.loss!r} gives shape {_shapes(value)} for labels y "
+            f"{labels.describe()} and the model's output {_shapes(output)}, not one number"
+        )
+    _check_classes(loss, output, data_spec)
+
+
+def _check_classes(loss, output, data_spec: DataSpec) -> None:
+    """Class-id labels need an output per class: beyond it, a sparse loss reads garbage."""
+    import keras
+
+    sparse = isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or (
+        loss is keras.losses.sparse_categorical_crossentropy
+    )
+    classes = getattr(output, "shape", (None,))[-1]
+    if sparse and data_spec.num_classes and classes and classes < data_spec.num_classes:
+        raise ConfigError(
+            f"the labels hold {data_spec.num_classes} classes (or token ids) but the model "
+            f"outputs {classes} scores per example; its output must cover every class"
         )
 
 
-def build_model(model_cfg: ModelConfig, data_spec: DataSpec) -> keras.Model:
-    return _module(model_cfg).build(model_cfg, data_spec)
+def _shapes(tree) -> str:
+    import jax
+
+    leaves = [list(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree)]
+    return str(leaves[0]) if len(leaves) == 1 else str(leaves)
 
 
-def layout_rules(model_cfg: ModelConfig, extra: dict | None = None) -> LayoutRules:
-    """The model's own rules, with `extra` (from `strategy.layout_rules`) merged over them."""
-    rules = _module(model_cfg).layout_rules(model_cfg)
-    rules.update({pattern: tuple(axes) for pattern, axes in (extra or {}).items()})
+def layout_rules(
+    cfg: ModelConfig, mesh_shape: tuple[int, int], extra: dict | None = None, devices=None
+) -> LayoutRules:
+    """The model's rules on a (data, model) mesh: those of `model.layout`, overridden by
+    `model.layout_rules`, overridden by `extra` (`strategy.layout_rules`)."""
+    rules: LayoutRules = {}
+    if cfg.layout:
+        rules.update(_rules_from_layout_function(cfg, mesh_shape, devices))
+    for given in (cfg.layout_rules, extra or {}):
+        rules.update({pattern: tuple(axes) for pattern, axes in given.items()})
     return rules
 
 
-def model_axis_collectives(
-    model_cfg: ModelConfig, examples: int, value_bytes: int, model: int
-) -> list[Collective]:
-    return _module(model_cfg).model_axis_collectives(model_cfg, examples, value_bytes, model)
+def _rules_from_layout_function(cfg: ModelConfig, mesh_shape, devices) -> LayoutRules:
+    from keras import distribution as kd
 
-
-def loss(model_cfg: ModelConfig) -> keras.losses.Loss:
-    return _module(model_cfg).loss()
-
-
-def abstract_variables(model_cfg: ModelConfig, data_spec: DataSpec) -> list[VariableInfo]:
-    """Variable paths and shapes without allocating any weights."""
-    with keras.StatelessScope():
-        model = build_model(model_cfg, data_spec)
-    return [VariableInfo(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables]
+    layout = locate("model.layout", cfg.layout)
+    if devices is None:  # the driver: stand-ins, since the rules only name the axes
+        devices = np.arange(int(np.prod(mesh_shape)))
+    mesh = kd.DeviceMesh(tuple(mesh_shape), list(MESH_AXES), devices=devices)
+    try:
+        produced = layout(mesh, **cfg.layout_kwargs())
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(
+            f"model.layout={cfg.layout!r} raised {type(error).__name__}: {error}"
+        ) from None
+    if isinstance(produced, kd.LayoutMap):
+        return {pattern: tuple(produced[pattern].axes) for pattern in produced}
+    if isinstance(produced, dict):
+        return {pattern: tuple(axes) for pattern, axes in produced.items()}
+    raise ConfigError(
+        f"model.layout={cfg.layout!r} returned a {type(produced).__name__}; it must return a "
+        "dict of layout rules or a keras.distribution.LayoutMap"
+    )

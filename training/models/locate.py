@@ -1,0 +1,53 @@
+"""Python objects named in the config as `module:function`, found from the working directory
+first, then in installed packages: on the driver and on every host."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from training.config import ConfigError
+
+
+def working_dirs(extra: Sequence[str] = ()) -> list[str]:
+    """Where a user's module is looked for before installed packages: this process's working
+    directory (a Ray job's shipped directory, on a host) and `extra` (the driver's)."""
+    found = []
+    for directory in [os.getcwd(), *extra]:
+        if directory not in found and os.path.isdir(directory):
+            found.append(directory)
+    return found
+
+
+def put_first_on_path(directories: Sequence[str]) -> None:
+    for directory in reversed(directories):
+        if directory in sys.path:
+            sys.path.remove(directory)
+        sys.path.insert(0, directory)
+
+
+def locate(key: str, path: str, directories: Sequence[str] = ()) -> object:
+    """The object `module:attribute` that config key `key` names; one ConfigError that names
+    the module, where it was looked for and why it failed."""
+    module_name, _, attribute = path.partition(":")
+    directories = working_dirs(directories)
+    put_first_on_path(directories)
+    where = f"looked in {', '.join(directories)}, then installed packages"
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as error:
+        raise ConfigError(
+            f"{key}={path!r}: cannot import module {module_name!r} ({where}): "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(
+                f"{key}={path!r}: module {module_name!r} ({target.__file__}) has no {attribute!r}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{key}={path!r} is a {type(target).__name__}, not a function")
+    return target
