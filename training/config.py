@@ -176,10 +176,17 @@ class ArrayDataConfig:
     held_out_path: str = ""  # empty: the last held_out_percent of the rows are held out
     held_out_percent: float = 10.0
     seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+    # Integer labels are class ids. 0: the largest label + 1, found by a scan of the labels,
+    # which is refused for more than LABEL_SCAN_LIMIT labels (training/data/arrays.py).
+    num_classes: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path must name a .npz file or a directory of .npy files")
         _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+        _require(self.num_classes >= 0, "data.num_classes must be >= 0 (0: from the labels)")
+
+
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 
 
 @dataclass
@@ -193,11 +200,19 @@ class TokenDataConfig:
     held_out_path: str = ""  # empty: the last held_out_percent of the tokens are held out
     held_out_percent: float = 10.0
     seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+    # The vocabulary (nanoGPT's meta.pkl has it); 0: unknown, as finding the largest token id
+    # would read the whole file. Where set, every batch is checked against it.
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path must name a binary file of token ids")
+        _require(
+            self.dtype in TOKEN_DTYPES,
+            f"data.dtype={self.dtype!r} is not a token id type: one of {', '.join(TOKEN_DTYPES)}",
+        )
         _require(self.seq_len >= 1, "data.seq_len must be >= 1")
         _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+        _require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
 
 
 @dataclass

@@ -1,0 +1,145 @@
+"""Token ids in a flat binary file (what nanoGPT-style prepare scripts write as train.bin).
+
+The file is memory-mapped; a batch reads only its own windows. Windows of `seq_len + 1` tokens
+start every `seq_len` tokens, so every token but a split's first is predicted exactly once per
+epoch: x is a window's first `seq_len` tokens, y its last `seq_len`, both int32. Held-out
+tokens come from `data.held_out_path`, or else are the last `data.held_out_percent` of the
+file, and no window crosses from one split into the other. Training windows are visited in a
+fresh shuffle each epoch (`EpochOrder`, from `data.seed`), held-out windows in file order.
+
+The vocabulary is `data.vocab_size` where given, and unknown (None) otherwise: the largest
+token id is not looked for, as that would read the whole file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from training.config import ConfigError, TokenDataConfig
+from training.data import SPLITS, ArraySpec, DataSpec, EpochOrder, sampled_fingerprint
+
+
+def open_tokens(path: str, dtype: np.dtype, what: str) -> np.memmap:
+    p = Path(path)
+    if not p.is_file():
+        state = "is not a file" if p.exists() else "does not exist"
+        raise ConfigError(f"{what}={path!r} {state}")
+    try:
+        size = p.stat().st_size
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}={path!r} cannot be read: {e.strerror}") from e
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"{what}={path!r} has {size} bytes, not a whole number of {dtype} token ids "
+            f"({dtype.itemsize} bytes each): is data.dtype right?"
+        )
+    if size == 0:
+        return np.zeros(0, dtype=dtype)  # refused below: fewer tokens than one window
+    return np.memmap(p, dtype=dtype, mode="r")
+
+
+@dataclass
+class _Split:
+    tokens: np.ndarray
+    start: int  # the split's first token in `tokens`
+    count: int  # tokens in the split
+    windows: int
+    order: EpochOrder
+
+
+class TokenData:
+    def __init__(self, cfg: TokenDataConfig):
+        self.cfg = cfg
+        self.seq_len, self.window = cfg.seq_len, cfg.seq_len + 1
+        dtype = np.dtype(cfg.dtype)
+        train = open_tokens(cfg.path, dtype, "data.path")
+        sources = {"train": (cfg.path, "data.path")}
+        if cfg.held_out_path:
+            held = open_tokens(cfg.held_out_path, dtype, "data.held_out_path")
+            sources["held_out"] = (cfg.held_out_path, "data.held_out_path")
+            parts = {"train": (train, 0, len(train)), "held_out": (held, 0, len(held))}
+            files = [cfg.path, cfg.held_out_path]
+        else:
+            held_count = round(len(train) * cfg.held_out_percent / 100)
+            sources["held_out"] = sources["train"]
+            parts = {
+                "train": (train, 0, len(train) - held_count),
+                "held_out": (train, len(train) - held_count, held_count),
+            }
+            files = [cfg.path]
+        self.splits = {}
+        for split, (tokens, start, count) in parts.items():
+            windows = (count - 1) // self.seq_len if count >= self.window else 0
+            if windows < 1:
+                path, what = sources[split]
+                share = (
+                    f" (data.held_out_percent={cfg.held_out_percent:g} of {len(tokens)})"
+                    if not cfg.held_out_path
+                    else ""
+                )
+                raise ConfigError(
+                    f"the {split} tokens of {what}={path!r} number {count}{share}, fewer than "
+                    f"one window of data.seq_len + 1 = {self.window}"
+                )
+            order = EpochOrder(windows, cfg.seed, shuffle=split == "train")
+            self.splits[split] = _Split(tokens, start, count, windows, order)
+        sequence = ArraySpec((cfg.seq_len,), "int32")
+        self.spec = DataSpec(
+            inputs=sequence,
+            labels=sequence,
+            examples=self.splits["train"].windows,
+            fingerprint=self._fingerprint(files),
+            num_classes=cfg.vocab_size or None,
+            baseline_loss=None,
+            positions_per_example=cfg.seq_len,
+        )
+
+    def _fingerprint(self, files: list[str]) -> str:
+        """Sizes, the split, and sampled blocks of each file: O(1) reads."""
+        parts = [
+            ("tokens", self.cfg.dtype, self.seq_len, split, part.start, part.count)
+            for split, part in self.splits.items()
+        ]
+        sizes = [Path(f).stat().st_size for f in files]
+        arrays = [self.splits["train"].tokens]
+        if self.splits["held_out"].tokens is not arrays[0]:
+            arrays.append(self.splits["held_out"].tokens)
+        return sampled_fingerprint(*parts, sizes, arrays=tuple(arrays))
+
+    def _part(self, split: str) -> _Split:
+        if split not in self.splits:
+            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+        return self.splits[split]
+
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Window ids (within the split) of rows `rows` of batch `index`."""
+        return self._part(split).order.rows(index, batch_size, rows)
+
+    def starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Offsets, in the file the split is read from, of the windows those rows read."""
+        part = self._part(split)
+        return part.start + self.rows(split, index, batch_size, rows) * self.seq_len
+
+    def batch(self, split: str, index: int, batch_size: int, rows: slice):
+        part = self._part(split)
+        starts = self.starts(split, index, batch_size, rows)
+        # Read in file order (local page reads), then put the windows back in batch order.
+        order = np.argsort(starts, kind="stable")
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        gathered = part.tokens[starts[order][:, None] + np.arange(self.window)]
+        windows = np.asarray(gathered)[back].astype(np.int32)
+        vocab = self.cfg.vocab_size
+        low, high = (int(windows.min()), int(windows.max())) if windows.size else (0, 0)
+        if low < 0 or (vocab and high >= vocab):
+            limit = f"data.vocab_size={vocab}" if vocab else "token ids, which are >= 0"
+            raise ConfigError(
+                f"a {split} batch has token id {low if low < 0 else high}, outside {limit} "
+                f"(data.path={self.cfg.path!r}, data.dtype={self.cfg.dtype})"
+            )
+        return windows[:, :-1], windows[:, 1:]
