@@ -1,7 +1,7 @@
 """The correctness reference: plain Keras, one process, one device, the same global batches.
 
 Usage: python single_device_reference.py '<json list of overrides>'  -> prints the losses at
-the logged steps as JSON. Shares only the model, data and optimizer definitions with the
+the logged steps as JSON. A user's model module is found from the working directory. Shares only the model, data and optimizer definitions with the
 system under test, not its strategy, host or coordinator code.
 """
 
@@ -33,7 +33,7 @@ def reference_losses(overrides: list[str]) -> list[float]:
     keras.utils.set_random_seed(cfg.trainer.seed)
     dataset = build_dataset(cfg.data)
     model = models.build_model(cfg.model, dataset.spec)
-    model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.loss(cfg.model))
+    model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.build_loss(cfg.model))
     batch = cfg.trainer.global_batch
     losses = []
     for step in range(cfg.trainer.steps):

@@ -16,6 +16,7 @@ def report(host: int, step: int, loss: float, seconds: float = 1.0, examples: fl
         "steps": 2,
         "examples": examples,
         "learning_rate": 1e-3,
+        "rows_fed": [host],
     }
 
 
@@ -28,6 +29,7 @@ def test_a_step_is_joined_once_every_host_reported_it(tmp_path):
     assert record["step"] == 2 and record["loss"] == 1.5 and record["hosts_agree"]
     assert record["examples_per_second"] == pytest.approx(64 / 2.0)  # summed, slowest pace
     assert record["per_host_step_seconds"] == [0.5, 1.0] and record["slowest_host"] == 1
+    assert record["rows_fed"] == [[0], [1]]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
@@ -39,14 +39,17 @@ def _require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
 class StrategyConfig:
     name: str = MISSING
     # Extra layout rules, merged over the model's own (the same pattern replaces one), e.g.
-    # ++strategy.layout_rules={head/kernel:[null,model]} (`++` because it adds keys)
-    layout_rules: Dict[str, List[Optional[str]]] = field(default_factory=dict)
+    # strategy.layout_rules={head/kernel:[null,model]}. None (not {}) by default so that a
+    # command-line dict replaces it rather than adding keys to a struct (and `Any`, since
+    # omegaconf cannot merge a dict into a None typed as a dict); checked in __post_init__.
+    layout_rules: Any = None
 
     def __post_init__(self) -> None:
         _require(
             self.name in STRATEGIES,
             f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}",
         )
+        self.layout_rules = checked_layout_rules("strategy.layout_rules", self.layout_rules)
 
 
 @dataclass
@@ -78,8 +81,8 @@ class ModelConfig:
     # `module:function` returning a loss.
     loss: str = MISSING
     # Regex (full-matched against variable paths, or `<layer>/output` for an activation) ->
-    # one of data, model, null per dimension.
-    layout_rules: Dict[str, List[Optional[str]]] = field(default_factory=dict)
+    # one of data, model, null per dimension. None: none (see StrategyConfig.layout_rules).
+    layout_rules: Any = None
     # Or `module:function`, called with the keras DeviceMesh (axes data, model), returning
     # such a dict or a keras.distribution.LayoutMap. Its rules come first; layout_rules
     # override the same patterns.
@@ -97,6 +100,7 @@ class ModelConfig:
                 f"model.{key}={value!r} must name a Python object as module:function",
             )
         _require(self.seq_len >= 1, "model.seq_len must be >= 1")
+        self.layout_rules = checked_layout_rules("model.layout_rules", self.layout_rules)
 
     def build_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the `build` function."""
@@ -105,6 +109,19 @@ class ModelConfig:
     def layout_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the `layout` function besides the device mesh."""
         return {}
+
+
+def checked_layout_rules(key: str, rules: Any) -> dict[str, list[str | None]]:
+    """Layout rules as given on the command line: pattern -> list of axis names or None."""
+    if rules is None:
+        return {}
+    _require(isinstance(rules, dict), f"{key} must be a dict of pattern: [axis, ...]")
+    for pattern, axes in rules.items():
+        _require(
+            isinstance(axes, list) and all(a is None or isinstance(a, str) for a in axes),
+            f"{key}: {pattern!r} must map to a list of mesh axis names or null, got {axes!r}",
+        )
+    return {str(pattern): list(axes) for pattern, axes in rules.items()}
 
 
 def _is_object_path(value: str) -> bool:

@@ -180,8 +180,11 @@ def check_labels_fit(cfg: ModelConfig, model, data_spec: DataSpec) -> None:
     loss = build_loss(cfg)
     output = model(symbolic_inputs(data_spec))
     labels = data_spec.labels
+    if _from_keras(loss) and not isinstance(output, dict | list | tuple):
+        _check_label_shape(cfg, loss, labels, output)
+        _check_classes(loss, output, data_spec)
     try:
-        value = jax.eval_shape(
+        jax.eval_shape(
             lambda y, p: loss(y, p),
             jax.ShapeDtypeStruct((2, *labels.shape), labels.dtype),
             jax.tree.map(lambda t: jax.ShapeDtypeStruct((2, *t.shape[1:]), t.dtype), output),
@@ -192,23 +195,42 @@ def check_labels_fit(cfg: ModelConfig, model, data_spec: DataSpec) -> None:
             f"the model's output {_shapes(output)}: {type(error).__name__}: "
             f"{str(error).splitlines()[0]}"
         ) from None
-    if any(np.prod(leaf.shape) != 1 for leaf in jax.tree.leaves(value)):
+
+
+def _from_keras(loss) -> bool:
+    return (getattr(loss, "__module__", None) or type(loss).__module__).startswith("keras.")
+
+
+def _is_sparse(loss) -> bool:
+    import keras
+
+    return isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or (
+        loss is keras.losses.sparse_categorical_crossentropy
+    )
+
+
+def _check_label_shape(cfg: ModelConfig, loss, labels: ArraySpec, output) -> None:
+    """Keras' losses broadcast labels against outputs: labels of shape [3] against outputs
+    of shape [1] give a number, and a meaningless one. Class ids index the last dimension."""
+    produced = tuple(output.shape[1:])
+    expected = produced[:-1] if _is_sparse(loss) else produced
+
+    def trimmed(shape):  # Keras squeezes or expands a trailing dimension of 1
+        return tuple(shape[:-1]) if shape and shape[-1] == 1 else tuple(shape)
+
+    want, have = trimmed(expected), trimmed(labels.shape)
+    if len(want) != len(have) or any(w not in (None, h) for w, h in zip(want, have, strict=True)):
         raise ConfigError(
-            f"model.loss={cfg.loss!r} gives shape {_shapes(value)} for labels y "
-            f"{labels.describe()} and the model's output {_shapes(output)}, not one number"
+            f"the data's labels y have examples of shape {list(labels.shape)} but "
+            f"model.loss={cfg.loss!r} on the model's output {list(produced)} (batch dimension "
+            f"left out) needs labels of shape {list(expected)}"
         )
-    _check_classes(loss, output, data_spec)
 
 
 def _check_classes(loss, output, data_spec: DataSpec) -> None:
     """Class-id labels need an output per class: beyond it, a sparse loss reads garbage."""
-    import keras
-
-    sparse = isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or (
-        loss is keras.losses.sparse_categorical_crossentropy
-    )
-    classes = getattr(output, "shape", (None,))[-1]
-    if sparse and data_spec.num_classes and classes and classes < data_spec.num_classes:
+    classes = output.shape[-1]
+    if _is_sparse(loss) and data_spec.num_classes and classes and classes < data_spec.num_classes:
         raise ConfigError(
             f"the labels hold {data_spec.num_classes} classes (or token ids) but the model "
             f"outputs {classes} scores per example; its output must cover every class"
@@ -230,7 +252,7 @@ def layout_rules(
     rules: LayoutRules = {}
     if cfg.layout:
         rules.update(_rules_from_layout_function(cfg, mesh_shape, devices))
-    for given in (cfg.layout_rules, extra or {}):
+    for given in (cfg.layout_rules or {}, extra or {}):
         rules.update({pattern: tuple(axes) for pattern, axes in given.items()})
     return rules
 

@@ -1,0 +1,51 @@
+"""Your own model, as `python -m training.run` takes it (README: "Your own model and data").
+
+Run from this directory:
+
+    python make_data.py   # writes train.npz: 8192 rows of x (16 features) and y (1 target)
+    python -m training.run model=keras model.build=my_models:get_model model.loss=mse \
+        'model.layout_rules={d1/kernel: [null, model], d1/bias: [model], d2/kernel: [model, null]}' \
+        data=arrays data.path=train.npz strategy=hybrid mesh.data=2 mesh.model=4
+
+Nothing here knows about the system: plain Keras, written as the Keras guides write it.
+"""
+
+import keras
+
+
+def get_model(features: int = 16, hidden: int = 256, outputs: int = 1) -> keras.Model:
+    """A two-layer regression MLP: `d1` (features -> hidden) then `d2` (hidden -> outputs).
+
+    Split `d1` by columns and `d2` by rows over the `model` axis (Megatron style): the hidden
+    activation stays split between them, and one all-reduce joins `d2`'s partial sums."""
+    x = keras.Input(shape=(features,), name="x")
+    h = keras.layers.Dense(hidden, activation="relu", name="d1")(x)
+    y = keras.layers.Dense(outputs, name="d2")(h)
+    return keras.Model(x, y, name="regressor")
+
+
+def get_layout_map(device_mesh) -> keras.distribution.LayoutMap:
+    """The same split written as plain Keras does (`model.layout=my_models:get_layout_map`)."""
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/kernel"] = ("model", None)
+    return layout_map
+
+
+class TwoTower(keras.Model):
+    """A subclassed model with two named inputs, fed from arrays `x_user` and `x_item`: each
+    tower embeds its input, and the score is their dot product."""
+
+    def __init__(self, hidden: int = 64, **kwargs):
+        super().__init__(**kwargs)
+        self.user = keras.layers.Dense(hidden, activation="relu", name="user_tower")
+        self.item = keras.layers.Dense(hidden, activation="relu", name="item_tower")
+
+    def call(self, inputs):
+        user, item = self.user(inputs["user"]), self.item(inputs["item"])
+        return keras.ops.sum(user * item, axis=-1, keepdims=True)
+
+
+def get_two_tower(hidden: int = 64) -> keras.Model:
+    return TwoTower(hidden, name="two_tower")

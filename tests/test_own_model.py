@@ -1,0 +1,272 @@
+"""A user's own Keras model and data, from files outside the package: what reaches the model,
+and one clear error for each way the inputs can be wrong, before anything starts."""
+
+import itertools
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_config
+from training.config import ConfigError
+from training.preflight import preflight
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+_names = itertools.count()
+
+# Rules that split the example model's two layers Megatron style.
+EXAMPLE_RULES = (
+    "model.layout_rules={d1/kernel: [null, model], d1/bias: [model], d2/kernel: [model, null]}"
+)
+
+
+def user_module(directory: Path, source: str) -> str:
+    """Write `source` as a module of a fresh name (modules are cached per process)."""
+    name = f"user_models_{next(_names)}"
+    (directory / f"{name}.py").write_text(source)
+    return name
+
+
+def example_module(directory: Path) -> str:
+    """The repository's example model file, copied out of the package under a fresh name."""
+    name = f"my_models_{next(_names)}"
+    shutil.copy(EXAMPLES / "my_models.py", directory / f"{name}.py")
+    return name
+
+
+def write_regression(path: Path, rows: int = 256, features: int = 16, outputs: int = 1) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    y = np.tanh(x[:, :outputs]).astype(np.float32)
+    np.savez(path, x=x, y=y)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty working directory outside the package, with regression data in train.npz."""
+    monkeypatch.chdir(tmp_path)
+    write_regression(tmp_path / "train.npz")
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith(("user_models_", "my_models_"))]:
+        del sys.modules[name]
+
+
+def own_model(module: str, function: str = "get_model", *extra: str) -> list[str]:
+    return [
+        "model=keras",
+        f"model.build={module}:{function}",
+        "model.loss=mse",
+        "data=arrays",
+        "data.path=train.npz",
+        *extra,
+    ]
+
+
+def test_the_example_model_is_found_in_the_working_directory_and_checked(workdir):
+    module = example_module(workdir)
+    plan = preflight(run_config(own_model(module, "get_model", "strategy=hybrid", EXAMPLE_RULES)))
+    paths = {v.path: v.shape for v in plan.variables}
+    assert paths["d1/kernel"] == (16, 256) and paths["d2/kernel"] == (256, 1)
+    assert plan.mesh.as_tuple() == (2, 4)
+
+
+def test_a_plain_keras_layout_function_gives_the_rules(workdir):
+    from training import models
+
+    module = example_module(workdir)
+    cfg = run_config(own_model(module, "get_model", f"model.layout={module}:get_layout_map"))
+    rules = models.layout_rules(cfg.model, (2, 4))
+    assert rules == {
+        "d1/kernel": (None, "model"),
+        "d1/bias": ("model",),
+        "d2/kernel": ("model", None),
+    }
+
+
+def test_a_subclassed_model_with_named_inputs_is_built_from_its_arrays(workdir):
+    module = example_module(workdir)
+    rng = np.random.default_rng(0)
+    np.savez(
+        workdir / "pairs.npz",
+        x_user=rng.standard_normal((64, 8)).astype(np.float32),
+        x_item=rng.standard_normal((64, 5)).astype(np.float32),
+        y=rng.standard_normal((64, 1)).astype(np.float32),
+    )
+    cfg = run_config(
+        own_model(module, "get_two_tower", "data.path=pairs.npz", "trainer.global_batch=16")
+    )
+    paths = {v.path: v.shape for v in preflight(cfg).variables}
+    assert paths == {
+        "two_tower/user_tower/kernel": (8, 64),
+        "two_tower/user_tower/bias": (64,),
+        "two_tower/item_tower/kernel": (5, 64),
+        "two_tower/item_tower/bias": (64,),
+    }
+
+
+BROKEN = {
+    "raises": "def get_model():\n    raise RuntimeError('no GPU budget')\n",
+    "not_a_model": "def get_model():\n    return 42\n",
+    "import_fails": "import no_such_dependency\n\ndef get_model():\n    pass\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("source", "function", "message"),
+    [
+        (None, "get_model", r"cannot import module 'nowhere_\d+' \(looked in .*, then installed"),
+        (
+            "import_fails",
+            "get_model",
+            r"cannot import module 'user_models_\d+' .*ModuleNotFoundError: No module named "
+            "'no_such_dependency'",
+        ),
+        ("raises", "build_it", r"module 'user_models_\d+' \(.*\) has no 'build_it'"),
+        ("raises", "get_model", "raised RuntimeError: no GPU budget"),
+        ("not_a_model", "get_model", "returned a int, not a keras.Model"),
+    ],
+)
+def test_a_build_function_that_cannot_give_a_model_is_one_error(workdir, source, function, message):
+    module = f"nowhere_{next(_names)}" if source is None else user_module(workdir, BROKEN[source])
+    with pytest.raises(ConfigError, match=message):
+        preflight(run_config(own_model(module, function)))
+
+
+@pytest.mark.parametrize(
+    ("data", "overrides", "message"),
+    [
+        (
+            {"features": 12},
+            [],
+            r"the data's x has examples of shape \[12\] but the model's input 'x' takes shape "
+            r"\[16\]",
+        ),
+        (
+            {"outputs": 3},
+            [],
+            r"the data's labels y have examples of shape \[3\] but model.loss='mse' on the "
+            r"model's output \[1\] .* needs labels of shape \[1\]",
+        ),
+        (
+            {"outputs": 3},
+            ["model.loss=sparse_categorical_crossentropy"],
+            r"labels y have examples of shape \[3\] .* needs labels of shape \[\]",
+        ),
+        ({"rows": 40}, ["trainer.global_batch=64"], "fewer than one global batch"),
+        ({}, ["data.path=missing.npz"], "missing.npz"),
+        ({}, ["model.loss=no_such_loss"], "'no_such_loss' is not a Keras loss identifier"),
+    ],
+)
+def test_data_that_does_not_fit_the_model_is_one_error(workdir, data, overrides, message):
+    write_regression(workdir / "train.npz", **data)
+    module = example_module(workdir)
+    with pytest.raises(ConfigError, match=message):
+        preflight(run_config(own_model(module, "get_model", *overrides)))
+
+
+def test_arrays_of_different_lengths_are_named(workdir):
+    np.savez(workdir / "train.npz", x=np.zeros((100, 16), np.float32), y=np.zeros((90, 1)))
+    with pytest.raises(ConfigError, match="100.*90|90.*100"):
+        preflight(run_config(own_model(example_module(workdir))))
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        ("model.layout_rules={dense_1/kernel: [null, model]}", "matches no variable"),
+        ("model.layout_rules={d2/kernel: [null, model]}", "which does not divide it"),
+    ],
+)
+def test_layout_rules_are_checked_for_every_model(workdir, rules, message):
+    module = example_module(workdir)
+    with pytest.raises(ConfigError, match=message):
+        preflight(run_config(own_model(module, "get_model", "strategy=hybrid", rules)))
+
+
+# ---- real 2-host runs -------------------------------------------------------------------
+
+RUN = ["trainer.steps=6", "trainer.log_interval=1", "trainer.global_batch=32"]
+
+
+def own_run(workdir: Path, module: str, *extra: str) -> dict:
+    from training.run import run_training
+
+    overrides = own_model(module, "get_model", *RUN, *extra)
+    return run_training(run_config(overrides), workdir / "out" / str(next(_names)))
+
+
+def logged_rows(summary_path: Path) -> list[list[list[int]]]:
+    import json
+
+    lines = (summary_path.parent / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["rows_fed"] for line in lines]
+
+
+def assert_each_host_fed_its_half(rows_fed: list, cfg_overrides: list[str]) -> None:
+    """Host h fed rows [16h, 16h + 16) of each global batch of 32, as the data's own order
+    gives them: no host read another's rows."""
+    from training.data import build_dataset
+
+    dataset = build_dataset(run_config(cfg_overrides).data)
+    for step, (first, second) in enumerate(rows_fed):
+        expected = dataset.rows("train", step, 32, slice(0, 32))
+        assert first == expected[:16].tolist() and second == expected[16:].tolist(), step
+
+
+@pytest.mark.ray
+def test_a_model_from_a_file_trains_split_by_its_rules_on_two_hosts(ray_cluster, workdir):
+    module = example_module(workdir)
+    overrides = ["strategy=hybrid", "mesh.data=2", "mesh.model=4", EXAMPLE_RULES]
+    summary = own_run(workdir, module, *overrides, "optimizer.learning_rate=0.01")
+    assert summary["status"] == "completed"
+    shardings = summary["variable_shardings"]
+    assert shardings["d1/kernel"] == "P(None, 'model')"
+    assert shardings["d1/bias"] == "P('model',)"
+    assert shardings["d2/kernel"] == "P('model', None)"
+    assert summary["variables"]["d1/kernel"]["shard_shape"] == [16, 64]
+    losses = summary["loss_history"]
+    assert losses[-1] < 0.7 * losses[0]
+    rows = logged_rows(workdir / "out")
+    assert_each_host_fed_its_half(rows, own_model(module, "get_model", *RUN))
+
+
+def npy_directory(workdir: Path, rows: int = 80) -> str:
+    """The regression data as a directory of .npy files (opened memory-mapped): 80 rows, 72
+    for training, so 6 steps of 32 wrap around the data twice, mid-batch."""
+    write_regression(workdir / "small.npz", rows=rows)
+    arrays = np.load(workdir / "small.npz")
+    (workdir / "npy").mkdir()
+    for key in ("x", "y"):
+        np.save(workdir / "npy" / f"{key}.npy", arrays[key])
+    return "data.path=npy"
+
+
+@pytest.mark.ray
+def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray_cluster, workdir):
+    import json
+    import subprocess
+
+    module = example_module(workdir)
+    data = npy_directory(workdir)
+    summary = own_run(workdir, module, data)
+    overrides = own_model(module, "get_model", *RUN, data)
+    reference = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "single_device_reference.py")]
+        + [json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=workdir,
+    )
+    expected = json.loads(reference.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
+
+    checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
+    own_run(workdir, module, data, checkpoints, "trainer.steps=3")
+    resumed = own_run(workdir, module, data, checkpoints)
+    assert resumed["resumed_from_step"] == 3
+    np.testing.assert_allclose(resumed["loss_history"], summary["loss_history"][3:], rtol=1e-5)
+    rows = logged_rows(Path(resumed["summary_path"])) if "summary_path" in resumed else None
+    del rows
