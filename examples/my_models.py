@@ -4,7 +4,7 @@ Run from this directory:
 
     python make_data.py   # writes train.npz: 8192 rows of x (16 features) and y (1 target)
     python -m training.run model=keras model.build=my_models:get_model model.loss=mse \
-        'model.layout_rules={d1/kernel: [null, model], d1/bias: [model], d2/kernel: [model, null]}' \
+        model.layout=my_models:get_layout_map \
         data=arrays data.path=train.npz strategy=hybrid mesh.data=2 mesh.model=4
 
 Nothing here knows about the system: plain Keras, written as the Keras guides write it.

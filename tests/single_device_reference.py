@@ -1,8 +1,9 @@
 """The correctness reference: plain Keras, one process, one device, the same global batches.
 
 Usage: python single_device_reference.py '<json list of overrides>'  -> prints the losses at
-the logged steps as JSON. A user's model module is found from the working directory. Shares only the model, data and optimizer definitions with the
-system under test, not its strategy, host or coordinator code.
+the logged steps as JSON. Shares only the model, data and optimizer definitions with the
+system under test, not its strategy, host or coordinator code. A user's model module is found
+from the working directory, as in a run.
 """
 
 import json

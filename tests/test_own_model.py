@@ -190,18 +190,17 @@ def test_layout_rules_are_checked_for_every_model(workdir, rules, message):
 RUN = ["trainer.steps=6", "trainer.log_interval=1", "trainer.global_batch=32"]
 
 
-def own_run(workdir: Path, module: str, *extra: str) -> dict:
+def own_run(workdir: Path, module: str, *extra: str) -> tuple[dict, list]:
+    """The run's summary, and the rows each host fed at each logged step."""
+    import json
+
     from training.run import run_training
 
     overrides = own_model(module, "get_model", *RUN, *extra)
-    return run_training(run_config(overrides), workdir / "out" / str(next(_names)))
-
-
-def logged_rows(summary_path: Path) -> list[list[list[int]]]:
-    import json
-
-    lines = (summary_path.parent / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["rows_fed"] for line in lines]
+    output = workdir / "out" / str(next(_names))
+    summary = run_training(run_config(overrides), output)
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return summary, [json.loads(line)["rows_fed"] for line in lines]
 
 
 def assert_each_host_fed_its_half(rows_fed: list, cfg_overrides: list[str]) -> None:
@@ -219,7 +218,7 @@ def assert_each_host_fed_its_half(rows_fed: list, cfg_overrides: list[str]) -> N
 def test_a_model_from_a_file_trains_split_by_its_rules_on_two_hosts(ray_cluster, workdir):
     module = example_module(workdir)
     overrides = ["strategy=hybrid", "mesh.data=2", "mesh.model=4", EXAMPLE_RULES]
-    summary = own_run(workdir, module, *overrides, "optimizer.learning_rate=0.01")
+    summary, rows = own_run(workdir, module, *overrides, "optimizer.learning_rate=0.01")
     assert summary["status"] == "completed"
     shardings = summary["variable_shardings"]
     assert shardings["d1/kernel"] == "P(None, 'model')"
@@ -228,7 +227,6 @@ def test_a_model_from_a_file_trains_split_by_its_rules_on_two_hosts(ray_cluster,
     assert summary["variables"]["d1/kernel"]["shard_shape"] == [16, 64]
     losses = summary["loss_history"]
     assert losses[-1] < 0.7 * losses[0]
-    rows = logged_rows(workdir / "out")
     assert_each_host_fed_its_half(rows, own_model(module, "get_model", *RUN))
 
 
@@ -250,7 +248,7 @@ def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray
 
     module = example_module(workdir)
     data = npy_directory(workdir)
-    summary = own_run(workdir, module, data)
+    summary, rows = own_run(workdir, module, data)
     overrides = own_model(module, "get_model", *RUN, data)
     reference = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "single_device_reference.py")]
@@ -264,9 +262,11 @@ def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray
     np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
 
     checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
+    assert_each_host_fed_its_half(rows, overrides)
+
     own_run(workdir, module, data, checkpoints, "trainer.steps=3")
-    resumed = own_run(workdir, module, data, checkpoints)
+    resumed, resumed_rows = own_run(workdir, module, data, checkpoints)
     assert resumed["resumed_from_step"] == 3
+    # Step 4 starts mid-epoch (72 training rows, 32 a step): the same examples, same losses.
+    assert resumed_rows == rows[3:]
     np.testing.assert_allclose(resumed["loss_history"], summary["loss_history"][3:], rtol=1e-5)
-    rows = logged_rows(Path(resumed["summary_path"])) if "summary_path" in resumed else None
-    del rows

@@ -76,12 +76,15 @@ class HostActor:
         init_timeout_s: float,
         driver_dir: str,
     ) -> dict:
-        from training.models.locate import put_first_on_path, working_dirs
+        from training.models.locate import put_first_on_path
         from training.trainer import train
 
-        # The user's model module: from this host's working directory (a Ray job's shipped
-        # directory), or the driver's where this host shares its filesystem.
-        put_first_on_path(working_dirs([driver_dir]))
+        # Relative paths (data files, the user's model module) mean what they mean on the
+        # driver: run in the driver's directory where this node has it (a local run, shared
+        # storage), else in this actor's own (a Ray job's copy of the shipped directory).
+        if os.path.isdir(driver_dir):
+            os.chdir(driver_dir)
+        put_first_on_path([os.getcwd()])
 
         def report(event: dict) -> None:
             inbox.put({**event, "host": self.host_index, "time": time.time()})

@@ -111,16 +111,16 @@ def layout_map(device_mesh: keras.distribution.DeviceMesh, backbone: str):
     if not _own_layout(cls):
         raise ConfigError(
             f"model.backbone={backbone} has no layout of its own (no get_layout_map); give "
-            "model.layout_rules instead: regex (full-matched against variable paths) -> one "
-            "mesh axis (data, model or null) per dimension"
+            "model.layout_rules instead, with model.layout='': regex (full-matched against "
+            "variable paths) -> one mesh axis (data, model or null) per dimension"
         )
     layouts = cls.get_layout_map(
         device_mesh, model_parallel_dim_name=MODEL_AXIS, data_parallel_dim_name=DATA_AXIS
     )
     # An untied output matrix (Llama's default, tie_word_embeddings=False) is
     # `token_embedding/reverse_embeddings`, (hidden, vocabulary), which keras-hub 0.32's Llama
-    # map does not mention: Keras would leave it whole on every device (vocabulary × hidden values,
-    # as large as the embedding). Split it as the embedding, transposed.
+    # map does not mention: Keras would leave it whole on every device (as large as the
+    # embedding). Split it as the embedding, transposed.
     if not any(re.fullmatch(key, REVERSE_EMBEDDINGS) for key in layouts):
         embedding = layouts[EMBEDDINGS]
         if embedding is not None and len(embedding.axes) == 2:

@@ -11,16 +11,6 @@ from collections.abc import Sequence
 from training.config import ConfigError
 
 
-def working_dirs(extra: Sequence[str] = ()) -> list[str]:
-    """Where a user's module is looked for before installed packages: this process's working
-    directory (a Ray job's shipped directory, on a host) and `extra` (the driver's)."""
-    found = []
-    for directory in [os.getcwd(), *extra]:
-        if directory not in found and os.path.isdir(directory):
-            found.append(directory)
-    return found
-
-
 def put_first_on_path(directories: Sequence[str]) -> None:
     for directory in reversed(directories):
         if directory in sys.path:
@@ -28,13 +18,13 @@ def put_first_on_path(directories: Sequence[str]) -> None:
         sys.path.insert(0, directory)
 
 
-def locate(key: str, path: str, directories: Sequence[str] = ()) -> object:
-    """The object `module:attribute` that config key `key` names; one ConfigError that names
-    the module, where it was looked for and why it failed."""
+def locate(key: str, path: str) -> object:
+    """The object `module:attribute` that config key `key` names, its module looked for in
+    the working directory first; one ConfigError that names the module, where it was looked
+    for and why it failed."""
     module_name, _, attribute = path.partition(":")
-    directories = working_dirs(directories)
-    put_first_on_path(directories)
-    where = f"looked in {', '.join(directories)}, then installed packages"
+    put_first_on_path([os.getcwd()])
+    where = f"looked in {os.getcwd()}, then installed packages"
     try:
         target = importlib.import_module(module_name)
     except Exception as error:
