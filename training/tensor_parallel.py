@@ -338,7 +338,7 @@ class _Derivation:
                 size = math.prod(w.shape) * _dtype_bytes(str(w.dtype))
                 self._add("all-gather", size, f"forward: {w.path}")
                 self._add("reduce-scatter", size, f"backward: {w.path} gradient")
-        reduced = _reduced_dims(layer)
+        reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
         if not elementwise or any(d in reduced for d in operands):
             for t in ins:
                 self._whole(t, path)
@@ -374,7 +374,7 @@ def _broadcasts(shape, target) -> bool:
     return all(a in (1, b) or a == b for a, b in zip(shape[::-1], target[::-1], strict=False))
 
 
-def _reduced_dims(layer) -> set[int]:
+def _reduced_dims(layer, rank: int) -> set[int]:
     """Dimensions (counted from the last, -1) a normalization or softmax reduces over: a split
     there is gathered first. Positive axes are taken as counted from the first."""
     import keras
@@ -383,7 +383,6 @@ def _reduced_dims(layer) -> set[int]:
     if not isinstance(layer, kinds):
         return set()
     axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
-    rank = len(layer.input.shape) if layer._inbound_nodes else 0
     return {a if a < 0 else a - rank for a in axes}
 
 
