@@ -43,22 +43,7 @@ def test_predicted_memory_matches_the_live_arrays(case):
     assert predicted.optimizer_bytes == pytest.approx(measured.optimizer_bytes_per_device, 0.10)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "transformer-data_parallel",
-        "mlp-hybrid",
-        pytest.param(
-            "transformer-hybrid",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="XLA sends ~1.4x the Megatron minimum the plan predicts for the "
-                "transformer: the backward pass all-reduces the gradients of attention's "
-                "input through query, key and value separately (3 all-reduces, not 1)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_predicted_collective_bytes_match_the_compiled_step(case):
     predicted, measured = predicted_and_measured(case)
     assert measured.collectives, "a step on 8 devices must communicate"

@@ -86,8 +86,9 @@ def _arrays(type_text: str) -> list[int]:
 def _group_size(attributes: str, devices: int) -> int:
     if pairs := re.search(r"source_target_pairs=\{([^}]*)\}", attributes):
         return 2 if pairs[1] else 1
-    # Mesh-axes form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
-    on_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    # Mesh-axes form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, possibly with a
+    # device order between: mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}
+    on_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attributes)
     if on_mesh:
         sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", on_mesh[1])}
         return math.prod(sizes[name] for name in re.findall(r"'(\w+)'", on_mesh[2]))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from training import models
 from training.collectives import Collective, sent_bytes
@@ -19,6 +20,7 @@ from training.data import DataSpec
 from training.models import LayoutRules, VariableInfo
 from training.optimizers import build_optimizer
 from training.strategy import MeshShape
+from training.tensor_parallel import model_axis_collectives
 from training.trainer import DTYPE_POLICIES
 
 VALUE_BYTES = {"float32": 4, "bfloat16": 2}  # activations, by trainer.precision
@@ -35,6 +37,10 @@ class AbstractModel:
     optimizer_variables: tuple[tuple[VariableInfo, str | None], ...]
     activation_bytes_per_example: int
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
+    # The abstract keras.Model itself (no weights allocated): what the model axis must
+    # communicate depends on the layout rules and mesh too, so it is derived from the layer
+    # graph per strategy (`training.tensor_parallel`), in milliseconds.
+    keras_model: Any = field(default=None, compare=False, repr=False)
 
     @property
     def trainable_parameters(self) -> int:
@@ -64,6 +70,7 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
         optimizer_variables=_shadowed(optimizer.variables, model.trainable_variables),
         activation_bytes_per_example=_layer_output_bytes(model),
         positions_per_example=data_spec.positions_per_example,
+        keras_model=model,
     )
 
 
@@ -153,8 +160,9 @@ def strategy_cost(
     trainable_bytes = sum(b for path, b in parameters.items() if path in model.trainable)
     gradients = Collective("all-reduce", trainable_bytes, mesh.data, "gradients")
     value_bytes = VALUE_BYTES[cfg.trainer.precision]
-    tensor_parallel = []  # TODO(merge): derived from the layout (branch `plan`)
-    del value_bytes
+    tensor_parallel = model_axis_collectives(
+        model.keras_model, rules, mesh.model, rows, value_bytes
+    )
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,

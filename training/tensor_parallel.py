@@ -1,0 +1,404 @@
+"""What a layout must communicate over the `model` axis, derived from the layout rules and the
+model's layer graph, for any Keras model (functional, Sequential, or subclassed when its `call`
+can be traced symbolically).
+
+The derivation follows each activation through the graph with its state on the model axis:
+whole on every device (replicated), split along one dimension, or a partial sum (each device
+holds a summand). Every layer reads its inputs in the state its weights' layout needs, and the
+collective that makes an input so, or that its backward pass needs, is counted:
+
+- a matmul (Dense, EinsumDense, the query/key/value/output projections of MultiHeadAttention,
+  an Embedding used as a tied output head) whose kernel is split on a contracted dimension
+  makes a partial sum: one all-reduce of its output, forward, where a consumer or an output
+  rule needs it whole. Split on an output dimension, it reads a replicated input whose
+  gradient is then a partial sum: one all-reduce of the input, backward, per such consumer
+  (XLA reduces each consumer's gradient separately: attention's query, key and value cost
+  three, not the one of the Megatron minimum);
+- an embedding lookup in a table split over the vocabulary is a partial sum (all-reduce of its
+  output); split over the hidden dimension, it gives split activations;
+- an elementwise op between split and replicated values (a hidden-split position table added
+  to the activations) is computed split, then gathered: an all-gather of its output;
+- an output rule (`<layer path>/output`) relayouts the layer's output: a partial sum is
+  all-reduced, a split output gathered when the rule keeps it whole;
+- logits split over the classes cost the softmax cross-entropy four all-reduces of one float32
+  per row (forward: the maximum, the sum of exponentials and the label's logit; backward: the
+  sum of the gradient);
+- anything else that cannot keep a split input split (a norm over the split dimension, a
+  reshape) gathers it, and a split weight of a layer this module does not know is gathered
+  (forward) and its gradient reduce-scattered (backward), as XLA does when it cannot keep the
+  activations split.
+
+A model without a graph to follow (a subclassed model whose `call` cannot run on symbolic
+tensors) falls back to that last rule for every split weight.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+
+from training.collectives import Collective
+
+Rules = dict[str, tuple[str | None, ...]]
+REPLICATED = None
+PARTIAL = "partial"  # each device of the model group holds a summand
+LOSS_VALUE_BYTES = 4  # Keras losses compute in float32
+SOFTMAX_REDUCTIONS = 4  # max, sum of exponentials, label's logit; backward: gradient's sum
+
+
+def model_axis_collectives(
+    model, rules: Rules, mesh_model: int, examples: int, value_bytes: int
+) -> list[Collective]:
+    """The collectives over a model group of `mesh_model` devices of one training step on
+    `examples` rows (per data shard), activations of `value_bytes` per value.
+
+    `model`: a built keras.Model (its variables may be abstract, built under StatelessScope).
+    `rules`: regex (full-matched against a variable path, or `<layer path>/output` for a
+    layer's output) -> one mesh axis name ("data", "model") or None per dimension.
+    """
+    if mesh_model <= 1:
+        return []
+    graph = _graph(model)
+    if graph is None:
+        return _weight_gathers(model, rules, mesh_model)
+    return _Derivation(rules, mesh_model, examples, value_bytes).run(*graph)
+
+
+def _graph(model):
+    """(inputs, outputs, nodes in execution order) of the model's layer graph, or None."""
+    functional = model if hasattr(model, "_nodes_by_depth") else None
+    functional = functional or getattr(model, "_functional", None)  # Sequential
+    if functional is None:
+        functional = _traced(model)
+    if functional is None:
+        return None
+    by_depth = functional._nodes_by_depth
+    nodes = [
+        node
+        for depth in sorted(by_depth, reverse=True)
+        for node in by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+    return list(functional.inputs), list(functional.outputs), nodes
+
+
+def _traced(model):
+    """A subclassed model's graph: its `call` run on symbolic inputs of the shapes it was built
+    with records a node per layer (and per keras.ops call), as a functional model has."""
+    import keras
+    from keras.src.backend import name_scope
+    from keras.src.ops.function import Function
+
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if not shapes or len(shapes) != 1:
+        return None
+    shape = tuple(next(iter(shapes.values())))
+    for dtype in ("float32", "int32"):
+        try:
+            inputs = keras.KerasTensor(shape, dtype=dtype)
+            # As Keras calls it (the same variable paths), creating no real variables.
+            with keras.StatelessScope(), name_scope(model.name, caller=model):
+                outputs = model.call(inputs)
+            return Function(inputs, outputs)
+        except Exception:  # noqa: BLE001 - a call that cannot run symbolically: no graph
+            continue
+    return None
+
+
+def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
+    found = []
+    for variable in model.trainable_variables:
+        if "model" in _axes(rules, variable.path):
+            size = math.prod(variable.shape) * _dtype_bytes(str(variable.dtype))
+            found.append(Collective("all-gather", size, n, f"forward: {variable.path}"))
+            found.append(Collective("reduce-scatter", size, n, f"backward: {variable.path}"))
+    return found
+
+
+def _axes(rules: Rules, path: str) -> tuple[str | None, ...]:
+    return next((tuple(a) for p, a in rules.items() if re.fullmatch(p, path)), ())
+
+
+def _split_dim(axes: tuple[str | None, ...]):
+    return axes.index("model") if "model" in axes else REPLICATED
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
+
+
+class _Derivation:
+    def __init__(self, rules: Rules, n: int, examples: int, value_bytes: int):
+        self.rules = rules
+        self.n = n
+        self.examples = examples
+        self.value_bytes = value_bytes
+        self.state: dict[int, object] = {}  # id(KerasTensor) -> its state
+        # Tensors the backward pass differentiates: not the model's inputs, nor what only
+        # they and no trainable weight produce.
+        self.differentiated: set[int] = set()
+        self.found: list[Collective] = []
+
+    def run(self, inputs, outputs, nodes) -> list[Collective]:
+        for tensor in inputs:
+            self.state[id(tensor)] = REPLICATED
+        for node in nodes:
+            self._node(node)
+        for output in outputs:
+            state = self._whole_or_split(output, "loss")
+            if state is not REPLICATED and state == len(output.shape) - 1:
+                rows = self.examples * _size(output.shape[1:-1])
+                for _ in range(SOFTMAX_REDUCTIONS):
+                    self._add("all-reduce", rows * LOSS_VALUE_BYTES, "softmax cross-entropy")
+        return self.found
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _bytes(self, tensor) -> int:
+        return self.examples * _size(tensor.shape[1:]) * self.value_bytes
+
+    def _add(self, kind: str, size: float, what: str) -> None:
+        self.found.append(Collective(kind, size, self.n, what))
+
+    def _get(self, tensor):
+        return self.state.get(id(tensor), REPLICATED)
+
+    def _whole_or_split(self, tensor, reader: str):
+        """The tensor's state once a reader that cannot take a partial sum reads it."""
+        if self._get(tensor) == PARTIAL:
+            self._add("all-reduce", self._bytes(tensor), f"forward: {_producer(tensor)} output")
+            self.state[id(tensor)] = REPLICATED
+        return self._get(tensor)
+
+    def _whole(self, tensor, reader: str) -> None:
+        """What a reader that needs the whole tensor costs (it then reads it replicated)."""
+        if self._whole_or_split(tensor, reader) is not REPLICATED:
+            self._add("all-gather", self._bytes(tensor), f"forward: {reader} input")
+
+    def _set_output(self, layer_path: str, tensor, state) -> None:
+        """Record a layer output's state, relaid out by an output rule if one matches."""
+        axes = _axes(self.rules, f"{layer_path}/output")
+        if axes and _split_dim(axes) != state:
+            target, size = _split_dim(axes), self._bytes(tensor)
+            if state == PARTIAL:
+                kind = "all-reduce" if target is REPLICATED else "reduce-scatter"
+                self._add(kind, size, f"forward: {layer_path} output")
+            elif state is REPLICATED:  # sliced for free; its gradient comes back split
+                self._add("all-gather", size, f"backward: {layer_path} output gradient")
+            elif target is REPLICATED:
+                self._add("all-gather", size, f"forward: {layer_path} output")
+            else:
+                self._add("all-to-all", size, f"forward: {layer_path} output")
+                self._add("all-to-all", size, f"backward: {layer_path} output gradient")
+            state = target
+        self.state[id(tensor)] = state
+
+    # -- layers -------------------------------------------------------------------------------
+
+    def _node(self, node) -> None:
+        import keras
+
+        layer = node.operation
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        ins = list(node.input_tensors)
+        outs = list(node.outputs)
+        if getattr(layer, "trainable_weights", None) or any(
+            id(t) in self.differentiated for t in ins
+        ):
+            self.differentiated.update(id(t) for t in outs)
+        path = getattr(layer, "path", None) or layer.name
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            query = args[0]
+            value = args[1] if len(args) > 1 else kwargs["value"]
+            key = kwargs.get("key", args[2] if len(args) > 2 else None)
+            key = value if key is None else key
+            self._attention(layer, query, value, key, outs[0])
+        elif isinstance(layer, keras.layers.EinsumDense):
+            state = self._einsum(layer.equation, ins[0], layer.kernel, outs[0], path)
+            self._set_output(path, outs[0], state)
+        elif isinstance(layer, keras.layers.Dense) and len(ins) == 1:
+            rank = len(ins[0].shape)
+            letters = string.ascii_lowercase[:rank]
+            equation = f"{letters},{letters[-1]}z->{letters[:-1]}z"
+            state = self._einsum(equation, ins[0], layer.kernel, outs[0], path)
+            self._set_output(path, outs[0], state)
+        elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
+            self._embedding(layer, ins[0], outs[0], path)
+        elif hasattr(layer, "_nodes_by_depth"):  # a functional model used as a layer
+            inner_inputs, inner_outputs, inner_nodes = _graph(layer)
+            for outer, inner in zip(ins, inner_inputs, strict=False):
+                self.state[id(inner)] = self._get(outer)
+            for inner_node in inner_nodes:
+                self._node(inner_node)
+            for outer, inner in zip(outs, inner_outputs, strict=False):
+                self._set_output(path, outer, self._get(inner))
+        else:
+            self._generic(layer, ins, outs, path)
+
+    def _einsum(self, equation: str, x, kernel, y, path: str):
+        """A contraction of `x` with `kernel` into `y`; returns y's state."""
+        equation = _expand_ellipsis(equation, len(x.shape), len(y.shape))
+        x_subs, rest = equation.split(",")
+        k_subs, y_subs = rest.split("->")
+        split = _split_dim(_axes(self.rules, kernel.path))
+        letter = k_subs[split] if split is not REPLICATED else None
+        state = self._whole_or_split(x, path)
+        x_letter = x_subs[state] if state is not REPLICATED else None
+        if letter is None:
+            if x_letter is None:
+                return REPLICATED
+            if x_letter in y_subs:
+                return y_subs.index(x_letter)
+            return PARTIAL  # the replicated kernel is sliced to match the split input
+        if letter not in y_subs:  # split on a contracted dimension: partial sums
+            if x_letter == letter:
+                return PARTIAL
+            if x_letter is not None:
+                self._whole(x, path)
+            # the replicated input is sliced locally; its gradient comes back split
+            if id(x) in self.differentiated:
+                self._add("all-gather", self._bytes(x), f"backward: {path} input gradient")
+            return PARTIAL
+        if x_letter is not None:  # split on an output dimension needs the whole input
+            self._whole(x, path)
+        if id(x) in self.differentiated:
+            self._add("all-reduce", self._bytes(x), f"backward: {path} input gradient")
+        out_axes = _axes(self.rules, f"{path}/output")
+        if out_axes and _split_dim(out_axes) is REPLICATED:
+            # The output is wanted whole: XLA gathers the smaller of the output and the
+            # kernel (a tied head gathers its table rather than the logits).
+            kernel_bytes = math.prod(kernel.shape) * self.value_bytes
+            what = f"forward: {path} " + ("kernel" if kernel_bytes < self._bytes(y) else "output")
+            self._add("all-gather", min(kernel_bytes, self._bytes(y)), what)
+            return REPLICATED
+        return y_subs.index(letter)
+
+    def _embedding(self, layer, x, y, path: str) -> None:
+        table = _axes(self.rules, layer.embeddings.path)
+        if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
+            split = _split_dim(table)
+            state = {REPLICATED: REPLICATED, 0: PARTIAL, 1: len(y.shape) - 1}[split]
+            self._whole(x, path)
+            self._set_output(path, y, state)
+        else:  # hidden states times the transposed table: a tied output head
+            rank = len(x.shape)
+            letters = string.ascii_lowercase[:rank]
+            equation = f"{letters},z{letters[-1]}->{letters[:-1]}z"
+            state = self._einsum(equation, x, layer.embeddings, y, path)
+            self._set_output(path, y, state)
+
+    def _attention(self, layer, query, value, key, y) -> None:
+        import keras
+
+        projected = []
+        for dense, x in (
+            (layer._query_dense, query),
+            (layer._key_dense, key),
+            (layer._value_dense, value),
+        ):
+            out = keras.KerasTensor(dense.compute_output_shape(x.shape), dtype=x.dtype)
+            state = self._einsum(dense.equation, x, dense.kernel, out, dense.path)
+            self._set_output(dense.path, out, state)
+            projected.append(out)
+        q, k, v = projected
+        heads = _heads_dim(layer)
+        context = keras.KerasTensor(q.shape, dtype=q.dtype)
+        if all(self._whole_or_split(t, layer.path) == heads for t in projected):
+            self.state[id(context)] = heads
+        else:
+            for t in projected:
+                self._whole(t, layer.path)
+                self.state[id(t)] = REPLICATED
+            self.state[id(context)] = REPLICATED
+        dense = layer._output_dense
+        state = self._einsum(dense.equation, context, dense.kernel, y, dense.path)
+        self._set_output(dense.path, y, state)
+        self._set_output(layer.path, y, self._get(y))
+
+    def _generic(self, layer, ins, outs, path: str) -> None:
+        """A layer or op with no known contraction: elementwise, a norm, a reshape, or a layer
+        of the user's own whose weights, if split, are treated as elementwise operands when
+        their shape broadcasts to the output's, else gathered."""
+        weights = [w for w in getattr(layer, "trainable_weights", []) if w is not None]
+        split_weights = [w for w in weights if "model" in _axes(self.rules, w.path)]
+        shapes = {tuple(t.shape) for t in outs}
+        elementwise = len(shapes) == 1 and all(
+            _broadcasts(t.shape, next(iter(shapes))) for t in ins
+        )
+        states = [self._whole_or_split(t, path) for t in ins]
+        operands = []  # split dims of the split operands, counted from the last
+        for t, state in zip(ins, states, strict=True):
+            if state is not REPLICATED:
+                operands.append(state - len(t.shape))
+        for w in split_weights:
+            if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
+                operands.append(_split_dim(_axes(self.rules, w.path)) - len(w.shape))
+            else:
+                size = math.prod(w.shape) * _dtype_bytes(str(w.dtype))
+                self._add("all-gather", size, f"forward: {w.path}")
+                self._add("reduce-scatter", size, f"backward: {w.path} gradient")
+        reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
+        if not elementwise or any(d in reduced for d in operands):
+            for t in ins:
+                self._whole(t, path)
+            for t in outs:
+                self._set_output(path, t, REPLICATED)
+            return
+        out_state = REPLICATED
+        if operands:
+            dims = set(operands)
+            whole_inputs = sum(state is REPLICATED for state in states)
+            if len(dims) > 1 or whole_inputs:
+                # split and whole operands: computed split, then the result gathered
+                for t in outs:
+                    self._add("all-gather", self._bytes(t), f"forward: {path} output")
+            else:
+                out_state = len(next(iter(shapes))) + dims.pop()
+        for t in outs:
+            self._set_output(path, t, out_state)
+
+
+def _producer(tensor) -> str:
+    history = getattr(tensor, "_keras_history", None)
+    return getattr(history.operation, "path", history.operation.name) if history else "input"
+
+
+def _size(shape) -> int:
+    return math.prod(d for d in shape if d is not None)
+
+
+def _broadcasts(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(a in (1, b) or a == b for a, b in zip(shape[::-1], target[::-1], strict=False))
+
+
+def _reduced_dims(layer, rank: int) -> set[int]:
+    """Dimensions (counted from the last, -1) a normalization or softmax reduces over: a split
+    there is gathered first. Positive axes are taken as counted from the first."""
+    import keras
+
+    kinds = (keras.layers.LayerNormalization, keras.layers.Softmax, keras.layers.RMSNormalization)
+    if not isinstance(layer, kinds):
+        return set()
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    return {a if a < 0 else a - rank for a in axes}
+
+
+def _heads_dim(layer) -> int:
+    """The heads dimension of MultiHeadAttention's projected query [B, T, N, H]."""
+    output = layer._query_dense.equation.split("->")[1]
+    return len(output) - 2
+
+
+def _expand_ellipsis(equation: str, x_rank: int, y_rank: int) -> str:
+    if "..." not in equation:
+        return equation
+    x_subs, rest = equation.split(",")
+    k_subs, y_subs = rest.split("->")
+    used = set(equation) - {".", ",", "-", ">"}
+    free = [c for c in string.ascii_lowercase if c not in used]
+    count = x_rank - len(x_subs.replace("...", ""))
+    fill = "".join(free[:count])
+    return f"{x_subs.replace('...', fill)},{k_subs}->{y_subs.replace('...', fill)}"
