@@ -205,7 +205,11 @@ class Watchdog:
 class Coordinator:
     def __init__(self, cfg: RunConfig, plan: Plan, output_dir: Path, display: ProgressDisplay):
         self.cfg, self.plan, self.output_dir, self.display = cfg, plan, output_dir, display
-        self.metrics = MetricsLog(plan.hosts, output_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(
+            plan.hosts,
+            output_dir / "metrics.jsonl",
+            perplexity=plan.data_spec.num_classes is not None,
+        )
         self.log = RunLog(output_dir, display.console)
         self.scalars = ScalarWriter(output_dir)
         self.timings: dict[str, float] = {}

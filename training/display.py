@@ -67,9 +67,10 @@ class ProgressDisplay:
                 soft_wrap=True,
             )
         if "eval_loss" in record:
+            perplexity = record["eval_perplexity"]
             self.console.print(
-                f"step {record['step']}: held-out loss {record['eval_loss']:.4f}, "
-                f"perplexity {record['eval_perplexity']:.2f}",
+                f"step {record['step']}: held-out loss {record['eval_loss']:.4f}"
+                + (f", perplexity {perplexity:.2f}" if perplexity is not None else ""),
                 highlight=False,
                 soft_wrap=True,
             )
@@ -116,11 +117,12 @@ def print_summary(summary: dict, console: Console) -> None:
         "replicated on every device)"
     )
     if summary["eval_loss"] is not None:
-        lines.append(
-            f"held-out loss {summary['eval_loss']:.4f} · perplexity "
-            f"{summary['eval_perplexity']:.2f} · baseline (label frequencies only) "
-            f"{summary['baseline_eval_loss']:.4f}"
-        )
+        held_out = f"held-out loss {summary['eval_loss']:.4f}"
+        if summary["eval_perplexity"] is not None:
+            held_out += f" · perplexity {summary['eval_perplexity']:.2f}"
+        if summary["baseline_eval_loss"] is not None:
+            held_out += f" · baseline (label frequencies only) {summary['baseline_eval_loss']:.4f}"
+        lines.append(held_out)
     if "checkpoint_step" in summary:
         lines.append(
             f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "

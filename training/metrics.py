@@ -15,8 +15,9 @@ LOSS_AGREEMENT_RTOL = 1e-5
 class MetricsLog:
     """Joins the hosts' reports of each logged step and appends the joined record to a file."""
 
-    def __init__(self, hosts: int, path: Path):
+    def __init__(self, hosts: int, path: Path, perplexity: bool = True):
         self.hosts = hosts
+        self.perplexity = perplexity  # exp(loss) means something for a cross-entropy only
         self.records: list[dict] = []
         self._pending: dict[int, dict[int, dict]] = defaultdict(dict)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,7 +30,7 @@ class MetricsLog:
         if len(self._pending[step]) < self.hosts:
             return None
         by_host = self._pending.pop(step)
-        record = join_host_reports([by_host[h] for h in range(self.hosts)])
+        record = join_host_reports([by_host[h] for h in range(self.hosts)], self.perplexity)
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -45,7 +46,7 @@ class MetricsLog:
         self._file.close()
 
 
-def join_host_reports(reports: list[dict]) -> dict:
+def join_host_reports(reports: list[dict], perplexity: bool = True) -> dict:
     losses = [r["loss"] for r in reports]
     step_seconds = [r["seconds"] / r["steps"] for r in reports]
     interval_seconds = max(r["seconds"] for r in reports)
@@ -63,11 +64,11 @@ def join_host_reports(reports: list[dict]) -> dict:
         "learning_rate": reports[0]["learning_rate"],
         # Each host's example ids of this step: which rows of the data it really read.
         "rows_fed": [r["rows_fed"] for r in reports],
-        **_held_out(reports),
+        **_held_out(reports, perplexity),
     }
 
 
-def _held_out(reports: list[dict]) -> dict:
+def _held_out(reports: list[dict], perplexity: bool) -> dict:
     """Held-out loss and perplexity, where the hosts evaluated at this step."""
     if "eval_loss" not in reports[0]:
         return {}
@@ -75,7 +76,7 @@ def _held_out(reports: list[dict]) -> dict:
     loss = sum(losses) / len(losses)
     return {
         "eval_loss": loss,
-        "eval_perplexity": math.exp(loss),
+        "eval_perplexity": math.exp(loss) if perplexity else None,
         "eval_hosts_agree": _agree(losses),
     }
 
