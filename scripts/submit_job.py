@@ -1,9 +1,12 @@
-"""Submit a training run to a Ray cluster as a Ray job, with this project as its working dir.
+"""Submit a training run to a Ray cluster as a Ray job, shipping the directory it is run from.
 
-    python scripts/submit_job.py [--address URL] [--follow] [-- OVERRIDES...]
+    python scripts/submit_job.py [--address URL] [--working-dir DIR] [--follow] [-- OVERRIDES...]
 
 The job runs `python -m training.run cluster=ray cluster.address=auto OVERRIDES` on the
-head node; the run's summary.json and metrics.jsonl land in RUNS_DIR/SUBMISSION_ID there.
+head node, in a copy of the working directory (default: the current one) that every host
+also runs in: your model module (`model.build=my_models:get_model`) and relative data paths
+reach every node. The cluster's nodes have this project installed (cluster/). The run's
+summary.json and metrics.jsonl land in RUNS_DIR/SUBMISSION_ID on the head node.
 The cluster's job server is its dashboard: `ray dashboard cluster/aws.yaml` forwards it to
 this machine's 127.0.0.1:8265, the default address.
 """
@@ -24,7 +27,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 POLL_SECONDS = 1.0
 
 
@@ -41,6 +43,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--runs-dir",
         default="~/training-runs",
         help="where on the head node each run's outputs go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--working-dir",
+        default=".",
+        help="the directory shipped to the cluster, where the run starts (default: the current "
+        "one; Ray leaves out .git and what a .gitignore there names)",
     )
     parser.add_argument("--submission-id", help="the job's id (default: training-<time>-<hex>)")
     parser.add_argument(
@@ -77,8 +85,7 @@ def main(argv: list[str]) -> int:
     client.submit_job(
         entrypoint=entrypoint(run_dir, args.overrides),
         submission_id=job_id,
-        # Ray leaves .git and what .gitignore names (the venv, outputs) behind.
-        runtime_env={"working_dir": str(REPO)},
+        runtime_env={"working_dir": str(Path(args.working_dir).resolve())},
     )
     on = f"--address {args.address}"
     print(

@@ -9,8 +9,10 @@ Usage: python multinode_cluster.py HOSTS CPUS_PER_HOST HOST_RESOURCE
 """
 
 import json
+import shutil
 import socket
 import sys
+import tempfile
 
 from ray.cluster_utils import Cluster
 
@@ -31,10 +33,17 @@ def main(hosts: int, cpus_per_host: int, host_resource: str) -> None:
         "dashboard_agent_listen_port": free_port(),
     }
     cluster = Cluster(initialize_head=True, head_node_args=head)
+    node_dirs = [tempfile.mkdtemp(prefix=f"ray-node{i}-") for i in range(hosts)]
     try:
+        # Each node its own temporary directory, as on separate machines: sharing one, a node
+        # that unpacks a job's working directory replaces it under the processes of the others.
         nodes = [
-            cluster.add_node(num_cpus=cpus_per_host, resources={host_resource: 1})
-            for _ in range(hosts)
+            cluster.add_node(
+                num_cpus=cpus_per_host,
+                resources={host_resource: 1},
+                temp_dir=node_dir,
+            )
+            for node_dir in node_dirs
         ]
         info = {
             "address": cluster.address,
@@ -45,6 +54,8 @@ def main(hosts: int, cpus_per_host: int, host_resource: str) -> None:
         sys.stdin.read()
     finally:
         cluster.shutdown()
+        for node_dir in node_dirs:
+            shutil.rmtree(node_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,18 @@ multi-node Ray cluster on this machine (submitted as a Ray job, as on a real clu
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from examples import make_data
 from tests.conftest import FAST, run_config
 from training.cluster import Node, host_bundle, measure
 from training.config import ConfigError, RayClusterConfig
@@ -171,8 +174,21 @@ def multinode_cluster(tmp_path_factory):
 
 
 def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run(
-    ray_cluster, multinode_cluster, tmp_path
+    ray_cluster, multinode_cluster, tmp_path, monkeypatch
 ):
+    """The job ships a working directory holding the user's model file and data: the hosts,
+    on other nodes, import the model from it and read the data there."""
+    job_dir = tmp_path / "project"
+    job_dir.mkdir()
+    shutil.copy(REPO / "examples" / "my_models.py", job_dir / "cluster_models.py")
+    np.savez(job_dir / "train.npz", **make_data.make(rows=512))
+    own_model = [
+        "model=keras",
+        "model.build=cluster_models:get_model",
+        "model.loss=mse",
+        "data=arrays",
+        "data.path=train.npz",
+    ]
     submit = subprocess.run(
         [
             sys.executable,
@@ -183,10 +199,13 @@ def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run
             str(tmp_path),
             "--submission-id",
             "multinode",
+            "--working-dir",
+            str(job_dir),
             "--follow",
             "--",
             *ON_THE_TEST_CLUSTER,
             *FAST,
+            *own_model,
         ],
         env=multinode_cluster.env,
         capture_output=True,
@@ -207,7 +226,9 @@ def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run
     node_ids = [identity["node_id"] for identity in summary["host_identities"]]
     assert sorted(node_ids) == sorted(multinode_cluster.host_node_ids)
 
-    local = run_training(run_config(FAST), tmp_path / "local")
+    assert summary["variable_shardings"]["d1/kernel"] == "P(None, None)"  # the file's model
+    monkeypatch.chdir(job_dir)
+    local = run_training(run_config(FAST + own_model), tmp_path / "local")
     assert summary["mesh"] == local["mesh"] == {"data": 8, "model": 1}
     assert summary["loss_history"] == pytest.approx(local["loss_history"], rel=1e-6)
     assert summary["per_host_final_loss"] == pytest.approx(local["per_host_final_loss"], rel=1e-6)
