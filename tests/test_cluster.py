@@ -102,12 +102,12 @@ def test_a_cluster_without_host_nodes_says_what_it_has():
 
 
 def test_gpu_hosts_use_cuda_and_simulate_no_devices():
-    assert host_environment("gpu", 8) == {
-        "KERAS_BACKEND": "jax",
-        "RAY_worker_niceness": "0",
-        "JAX_PLATFORMS": "cuda",
-    }
-    assert "XLA_FLAGS" not in host_environment("gpu", 8)
+    env = host_environment("gpu", 8)
+    assert (env["KERAS_BACKEND"], env["RAY_worker_niceness"]) == ("jax", "0")
+    assert env["JAX_PLATFORMS"] == "cuda"
+    assert "xla_force_host_platform_device_count" not in env["XLA_FLAGS"]
+    # On a Ray cluster, Ray sets CUDA_VISIBLE_DEVICES from the GPUs the actor holds.
+    assert "CUDA_VISIBLE_DEVICES" not in env
 
 
 @dataclass

@@ -24,10 +24,18 @@ def connect_ray(cluster: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     if cluster.name == "local":
+        from training.gpus import discover_gpus, gpu_resources
+
+        # Every GPU the driver sees, whatever this run's cluster.gpus: a sweep's trials share
+        # the instance. Hosts ask for their GPUs by name (training/gpus.py); `GPU` is the
+        # count Ray would detect itself, which no host asks for.
+        gpus = discover_gpus()
         # address="local" starts a fresh instance instead of joining a stale one.
         ray.init(
             address="local",
             num_cpus=cluster.num_cpus or max(os.cpu_count() or 1, cluster.hosts),
+            num_gpus=len(gpus),
+            resources=gpu_resources(gpus),
             include_dashboard=False,
             logging_level="WARNING",
         )
@@ -132,8 +140,18 @@ def _host_kind(cluster: RayClusterConfig) -> str:
     return f"node with {device_resource(cluster)}s"
 
 
+def host_bundles(cluster: ClusterConfig) -> list[dict[str, float]]:
+    """The resources each host's actor holds, host by host."""
+    if cluster.name == "local":
+        from training.gpus import gpu_resource, host_gpus
+
+        # A CPU, and on GPU the host's own GPUs by name; simulated devices need nothing.
+        return [{"CPU": 1.0, **{gpu_resource(g): 1.0 for g in gpus}} for gpus in host_gpus(cluster)]
+    return [host_bundle(cluster, cluster.devices_per_host)] * cluster.hosts
+
+
 def host_bundle(cluster: ClusterConfig, devices_per_host: int) -> dict[str, float]:
-    """The resources one host's actor holds: on a cluster, all its node's devices."""
+    """The resources one host's actor holds on a cluster: all its node's devices."""
     if cluster.name == "local":
         return {"CPU": 1.0}  # simulated devices need no Ray resources of their own
     if cluster.platform == "gpu":

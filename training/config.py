@@ -7,9 +7,9 @@ rules (mesh against cluster, batch against mesh) live in `training.preflight`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
@@ -18,6 +18,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
 PRECISIONS = ("float32", "bfloat16")
 NAN_POLICIES = ("stop",)
+LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
 AUTO = -1  # a mesh axis of this size takes all remaining devices
 
 
@@ -255,23 +256,53 @@ class SGDConfig:
 
 @dataclass
 class LocalClusterConfig:
-    """A Ray instance started for this run; hosts are simulated by actors with CPU devices."""
+    """A Ray instance started for this run on this machine: its GPUs, or simulated CPU hosts.
+
+    Settled for the machine by `training.gpus.resolve_local` when the config is converted
+    (`to_run_config`): `platform` auto becomes gpu where nvidia-smi lists GPUs, else cpu;
+    hosts and devices_per_host of -1 become 1 host holding every GPU taking part, or on CPU
+    2 hosts × 4 simulated devices."""
 
     name: str = "local"
-    hosts: int = 2
-    devices_per_host: int = 4
+    hosts: int = AUTO
+    devices_per_host: int = AUTO
+    platform: str = "auto"
+    # GPUs taking part, by nvidia-smi index (None: all); split evenly over the hosts in order.
+    gpus: Optional[List[int]] = None
     placement_timeout_s: float = 60.0
-    # CPUs the local Ray instance offers, one per simulated host: room for this many hosts
-    # at once (a sweep's trials share them). None: this machine's cores.
+    # CPUs the local Ray instance offers, one per host: room for this many hosts at once (a
+    # sweep's trials share them). None: this machine's cores.
     num_cpus: Optional[int] = None
-    # Not settable: simulated hosts have CPU devices and share this machine's one node.
-    platform: ClassVar[str] = "cpu"
+    # Not settable: every host shares this machine's one node.
     host_resource: ClassVar[Optional[str]] = None
 
     def __post_init__(self) -> None:
-        _require(self.hosts >= 1, "cluster.hosts must be >= 1")
-        _require(self.devices_per_host >= 1, "cluster.devices_per_host must be >= 1")
+        for key in ("hosts", "devices_per_host"):
+            size = getattr(self, key)
+            _require(
+                size == AUTO or size >= 1,
+                f"cluster.{key}={size}: use a positive number, or -1 to derive it",
+            )
+        _require(
+            self.platform in LOCAL_PLATFORMS,
+            f"cluster.platform={self.platform!r} is not one of {', '.join(LOCAL_PLATFORMS)}",
+        )
         _require(self.num_cpus is None or self.num_cpus >= 1, "cluster.num_cpus must be >= 1")
+        if self.gpus is not None:
+            self.gpus = [int(g) for g in self.gpus]
+            _require(
+                bool(self.gpus) and all(g >= 0 for g in self.gpus),
+                f"cluster.gpus={self.gpus} must list GPU indices (nvidia-smi's), or be null",
+            )
+            _require(
+                len(set(self.gpus)) == len(self.gpus),
+                f"cluster.gpus={self.gpus} names a GPU twice",
+            )
+            _require(
+                self.platform != "cpu",
+                f"cluster.gpus={self.gpus} chooses GPUs, but cluster.platform=cpu simulates "
+                "CPU hosts",
+            )
 
 
 @dataclass
@@ -459,7 +490,7 @@ def register_configs() -> None:
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """Resolve the composed config into plain dataclasses (the only form passed to actors)."""
     if isinstance(cfg, RunConfig):
-        return cfg
+        return settled_for_this_machine(cfg)
     try:
         run = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -471,7 +502,18 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     except Exception as error:  # omegaconf reports type errors with its own exception types
         raise ConfigError(str(error)) from None
     _require(isinstance(run, RunConfig), "the root config must extend run_schema")
-    return run
+    return settled_for_this_machine(run)
+
+
+def settled_for_this_machine(run: RunConfig) -> RunConfig:
+    """A local cluster's platform, hosts and devices settled for this machine's GPUs."""
+    if not isinstance(run.cluster, LocalClusterConfig):
+        return run
+    from training.gpus import discover_gpus, resolve_local
+
+    cluster = run.cluster
+    found = discover_gpus() if cluster.platform != "cpu" else []
+    return replace(run, cluster=resolve_local(cluster, found))
 
 
 def compose_run_config(overrides: list[str]) -> RunConfig:

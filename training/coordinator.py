@@ -33,12 +33,13 @@ from training.checkpoint import directory_bytes, newest_step
 from training.cluster import (
     alive_nodes,
     describe_nodes,
-    host_bundle,
+    host_bundles,
     placement_strategy,
     ray_session,
 )
 from training.config import ClusterConfig, ConfigError, RunConfig
 from training.display import ProgressDisplay
+from training.gpus import RESOURCE_PREFIX, host_gpus
 from training.host import HostActor, host_environment
 from training.logs import RunLog
 from training.metrics import (
@@ -90,26 +91,34 @@ class HostGroup:
 
     @classmethod
     def start(cls, cluster: ClusterConfig, plan: Plan, notify: Callable[[str], None]) -> HostGroup:
-        bundle = host_bundle(cluster, plan.devices_per_host)
+        bundles = host_bundles(cluster)
+        _check_local_gpus_offered(cluster, bundles)
         strategy = placement_strategy(cluster)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
-        placement = placement_group([dict(bundle)] * plan.hosts, strategy=strategy, name=name)
+        placement = placement_group(bundles, strategy=strategy, name=name)
         group = cls(placement)
         if not _wait_for_placement(placement, name, cluster.placement_timeout_s, notify):
             group.shutdown()
             raise ConfigError(
-                f"the Ray cluster could not place {plan.hosts} hosts of {bundle} "
+                f"the Ray cluster could not place {plan.hosts} hosts of {_describe(bundles)} "
                 f"({strategy}) within cluster.placement_timeout_s="
                 f"{cluster.placement_timeout_s:g}s; it has "
                 f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
             )
-        env = host_environment(cluster.platform, plan.devices_per_host)
-        gpus = bundle.get("GPU", 0.0)
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        for host in range(plan.hosts):
+        local_gpus = host_gpus(cluster) if cluster.name == "local" else None
+        for host, bundle in enumerate(bundles):
+            # Local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES; on a Ray cluster
+            # Ray sets it from the `GPU` count the actor holds.
+            env = host_environment(
+                cluster.platform,
+                plan.devices_per_host,
+                gpus=local_gpus[host] if local_gpus else None,
+                inherited=dict(os.environ) if cluster.name == "local" else {},
+            )
+            custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
             actor = HostActor.options(
                 num_cpus=bundle["CPU"],
-                num_gpus=gpus,
+                num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=host
@@ -124,6 +133,23 @@ class HostGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
         remove_placement_group(self.placement)
+
+
+def _describe(bundles: list[dict]) -> str:
+    return str(bundles[0]) if all(b == bundles[0] for b in bundles) else str(bundles)
+
+
+def _check_local_gpus_offered(cluster: ClusterConfig, bundles: list[dict]) -> None:
+    """A local GPU run joined a Ray instance it did not start (the caller's): the hosts' GPU
+    resources must be there, or placement would only time out."""
+    wanted = {k for bundle in bundles for k in bundle if k.startswith(RESOURCE_PREFIX)}
+    missing = sorted(wanted - set(ray.cluster_resources()))
+    if missing:
+        raise ConfigError(
+            f"the Ray instance this run uses offers no {', '.join(missing)}: a local GPU run "
+            "needs a Ray instance it starts itself (training.cluster.connect_ray), which "
+            "offers each GPU as such a resource"
+        )
 
 
 def _job_group_prefix() -> str:
@@ -442,6 +468,12 @@ class Coordinator:
             "finished_at": time.time(),
             "phase_seconds": self.timings,
             "host_identities": self.identities,
+            # Each GPU taking part (nvidia-smi index, kind, memory) with the host holding it.
+            "gpus": [
+                {"host": identity["host"], **gpu}
+                for identity in self.identities
+                for gpu in identity.get("gpus") or []
+            ],
             "resumed_from_step": plan.resume_step or 0,
             "restarts": len(self.restarts),
             "failures": [

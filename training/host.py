@@ -19,15 +19,25 @@ from training.logs import forward_warnings
 from training.strategy import MeshShape
 
 
-def host_environment(platform: str, devices_per_host: int) -> dict[str, str]:
-    """On GPU, JAX takes the node's CUDA devices (Ray sets CUDA_VISIBLE_DEVICES to the GPUs
-    the actor holds) and fails loudly if the CUDA build of jax is missing, rather than
-    falling back to one CPU device. On CPU, `devices_per_host` devices are simulated."""
+def host_environment(
+    platform: str,
+    devices_per_host: int,
+    gpus: list[int] | None = None,
+    inherited: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """On GPU, JAX takes the host's CUDA devices and fails loudly if the CUDA build of jax is
+    missing, rather than falling back to one CPU device; `gpus`: the GPUs of a local host
+    (None on a Ray cluster, where Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor holds),
+    with the memory and XLA settings of `training.gpus.gpu_environment`. On CPU,
+    `devices_per_host` devices are simulated. `inherited`: the environment the host starts
+    from (the driver's, for a local run); settings the user made there are kept."""
     # Ray runs workers at niceness 15; a host's training is the node's main work, and a niced
     # host loses the CPU (input feeding, collectives' threads) to anything else running there.
     common = {"KERAS_BACKEND": "jax", "RAY_worker_niceness": "0"}
     if platform == "gpu":
-        return {**common, "JAX_PLATFORMS": "cuda"}
+        from training.gpus import gpu_environment
+
+        return {**common, "JAX_PLATFORMS": "cuda", **gpu_environment(gpus, inherited or {})}
     return {
         **common,
         "JAX_PLATFORMS": "cpu",
@@ -58,7 +68,16 @@ class HostActor:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "niceness": os.nice(0),
+            "gpus": self._gpus(),
         }
+
+    def _gpus(self) -> list[dict]:
+        """The GPUs this host may use, by nvidia-smi index, kind and memory; [] on CPU."""
+        if self.platform != "gpu":
+            return []
+        from training.gpus import visible_gpu_rows
+
+        return visible_gpu_rows()
 
     def coordinator_address(self) -> str:
         """An address for the `jax.distributed` coordinator on this host, port chosen now."""

@@ -53,8 +53,17 @@ def describe_host(identity: dict) -> str:
     return (
         f"host {identity['host']} on {identity['hostname']} ({identity['node_ip']}, "
         f"node {identity['node_id'][:12]}, pid {identity['pid']}): devices {devices} "
-        f"of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}"
+        f"of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}{_gpus(identity)}"
     )
+
+
+def _gpus(identity: dict) -> str:
+    """The host's GPUs by nvidia-smi index (its devices count from 0 among them)."""
+    gpus = identity.get("gpus") or []
+    if not gpus:
+        return ""
+    named = ", ".join(f"{g['index']} {g['name']} ({g['memory_mib'] / 1024:.0f} GiB)" for g in gpus)
+    return f"; GPUs {named}"
 
 
 class RunLog:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# GPU check, on a machine with an NVIDIA GPU: installs the `cuda` extra into .venv, runs
+# `python -m training.run` on the local GPU (detected: 1 host × 1 GPU, GPU 0) with a
+# transformer big enough that a bfloat16 step takes >= 5 ms, prints its examples/s and model
+# FLOPs utilisation, then benchmark 1 (scripts/bench_overhead.py) on the GPU. Every figure is
+# printed; nothing is compared against a threshold except the 5 ms step check.
+#
+#   scripts/gpu_check.sh            # PEAK_TFLOPS=989 to give the GPU's bf16 peak yourself
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== GPUs (nvidia-smi)"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
+    || { echo "error: no NVIDIA GPU here (nvidia-smi failed)"; exit 2; }
+
+echo "== install (.venv, with the cuda extra)"
+[ -x .venv/bin/python ] || "${PYTHON:-python3.11}" -m venv .venv
+. .venv/bin/activate
+pip install -q -e '.[dev,cuda]'
+python -c "import jax; print('jax', jax.__version__, 'devices:', jax.devices())"
+
+OUT=$(mktemp -d)
+# ~100M parameters, 512-byte windows of the standard library's sources, batch 32.
+RUN=(
+    model=transformer data=text trainer.precision=bfloat16
+    model.kwargs.layers=8 model.kwargs.d_model=1024 model.kwargs.heads=16
+    model.kwargs.d_ff=4096 model.seq_len=512 trainer.global_batch=32
+    trainer.steps=60 trainer.log_interval=10 trainer.eval_batches=0
+    'cluster.gpus=[0]'
+)
+
+echo "== training.run on GPU 0 (cluster=local, platform auto)"
+python -m training.run "${RUN[@]}" "hydra.run.dir=$OUT/run" 2>&1 | tee "$OUT/run.log"
+
+echo "== figures"
+JAX_PLATFORMS=cpu python - "$OUT/run/summary.json" "${RUN[@]}" <<'PY'
+import json, os, sys
+
+from training.config import compose_run_config
+from training.costs import abstract_model
+from training.data import build_dataset
+
+# Dense bf16 peak TFLOP/s by GPU name (NVIDIA data sheets, SXM parts); PEAK_TFLOPS overrides.
+PEAKS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125, "V100": 125}
+summary = json.load(open(sys.argv[1]))
+cfg = compose_run_config(sys.argv[2:])
+flops_per_example = abstract_model(cfg, build_dataset(cfg.data).spec).flops_per_example()
+gpus = summary["gpus"]
+cluster = summary["config"]["cluster"]
+print(f"status {summary['status']}; platform {cluster['platform']}; hosts {summary['hosts']} "
+      f"x {summary['devices_per_host']} GPU(s)")
+for gpu in gpus:
+    print(f"host {gpu['host']}: GPU {gpu['index']} {gpu['name']} ({gpu['memory_mib']} MiB)")
+assert (cluster["platform"], summary["hosts"], summary["devices_per_host"]) == ("gpu", 1, 1)
+speed = summary["examples_per_second"]
+step_ms = 1000 * summary["global_batch"] / speed
+name = gpus[0]["name"] if gpus else ""
+peak = float(os.environ.get("PEAK_TFLOPS") or next((v for k, v in PEAKS.items() if k in name), 0))
+achieved = speed * flops_per_example / 1e12
+print(f"examples/s {speed:.1f}; step {step_ms:.1f} ms; final loss {summary['final_loss']:.4f}")
+print(f"model FLOPs per example {flops_per_example:.3g} (6 x params x positions); "
+      f"achieved {achieved:.1f} TFLOP/s")
+if peak:
+    print(f"model FLOPs utilisation {achieved / peak:.1%} of {peak:g} TFLOP/s bf16 peak ({name})")
+else:
+    print(f"model FLOPs utilisation: unknown peak for {name!r}; set PEAK_TFLOPS")
+print(f"phases (s): {json.dumps({k: round(v, 1) for k, v in summary['phase_seconds'].items()})}")
+if step_ms < 5:
+    print(f"warning: a step took {step_ms:.2f} ms, under 5 ms: make the model bigger")
+PY
+
+echo "== benchmark 1 (scripts/bench_overhead.py) on GPU 0"
+python scripts/bench_overhead.py --overrides mesh.data=1 mesh.model=1 'cluster.gpus=[0]' \
+    trainer.precision=bfloat16 2>&1 | tee "$OUT/bench_overhead.log"
+echo "== done; logs in $OUT"
