@@ -186,21 +186,32 @@ class TextDataConfig:
 
 
 @dataclass
-class ArrayDataConfig:
-    """Arrays on disk: a .npz file, or a directory of .npy files opened memory-mapped."""
+class FileDataConfig:
+    """What every dataset read from files on the hosts has."""
 
-    name: str = "arrays"
+    what_path_names: ClassVar[str] = "a data file"
     path: str = MISSING
-    held_out_path: str = ""  # empty: the last held_out_percent of the rows are held out
+    held_out_path: str = ""  # empty: the last held_out_percent of the data is held out
     held_out_percent: float = 10.0
     seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), f"data.path must name {self.what_path_names}")
+        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+
+
+@dataclass
+class ArrayDataConfig(FileDataConfig):
+    """Arrays on disk: a .npz file, or a directory of .npy files opened memory-mapped."""
+
+    what_path_names: ClassVar[str] = "a .npz file or a directory of .npy files"
+    name: str = "arrays"
     # Integer labels are class ids. 0: the largest label + 1, found by a scan of the labels,
     # which is refused for more than LABEL_SCAN_LIMIT labels (training/data/arrays.py).
     num_classes: int = 0
 
     def __post_init__(self) -> None:
-        _require(bool(self.path), "data.path must name a .npz file or a directory of .npy files")
-        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+        super().__post_init__()
         _require(self.num_classes >= 0, "data.num_classes must be >= 0 (0: from the labels)")
 
 
@@ -208,28 +219,24 @@ TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 
 
 @dataclass
-class TokenDataConfig:
+class TokenDataConfig(FileDataConfig):
     """A flat binary file of token ids (nanoGPT's train.bin), read as windows."""
 
+    what_path_names: ClassVar[str] = "a binary file of token ids"
     name: str = "tokens"
-    path: str = MISSING
     dtype: str = "uint16"
     seq_len: int = 128  # the yaml takes model.seq_len
-    held_out_path: str = ""  # empty: the last held_out_percent of the tokens are held out
-    held_out_percent: float = 10.0
-    seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
     # The vocabulary (nanoGPT's meta.pkl has it); 0: unknown, as finding the largest token id
     # would read the whole file. Where set, every batch is checked against it.
     vocab_size: int = 0
 
     def __post_init__(self) -> None:
-        _require(bool(self.path), "data.path must name a binary file of token ids")
+        super().__post_init__()
         _require(
             self.dtype in TOKEN_DTYPES,
             f"data.dtype={self.dtype!r} is not a token id type: one of {', '.join(TOKEN_DTYPES)}",
         )
         _require(self.seq_len >= 1, "data.seq_len must be >= 1")
-        _require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
         _require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
 
 

@@ -101,6 +101,15 @@ class EpochOrder:
         return self._orders[epoch]
 
 
+def in_file_order(ids: np.ndarray):
+    """(sorted ids, restore): read rows at the sorted ids, so a memory-mapped file is paged
+    in order, then `restore(values)` puts them back in the order of `ids`."""
+    order = np.argsort(ids, kind="stable")
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    return ids[order], lambda values: np.asarray(values)[back]
+
+
 def sampled_fingerprint(*parts: object, arrays: tuple[np.ndarray, ...] = (), blocks: int = 8):
     """A fingerprint that reads O(1) bytes however large the arrays are: their shapes and
     dtypes, `parts`, and `blocks` evenly spaced blocks of each array's bytes."""

@@ -29,7 +29,14 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from training.config import ArrayDataConfig, ConfigError
-from training.data import SPLITS, ArraySpec, DataSpec, EpochOrder, sampled_fingerprint
+from training.data import (
+    SPLITS,
+    ArraySpec,
+    DataSpec,
+    EpochOrder,
+    in_file_order,
+    sampled_fingerprint,
+)
 
 # Labels scanned to count the classes and their frequencies (64 Mi: about a second).
 LABEL_SCAN_LIMIT = 1 << 26
@@ -319,15 +326,10 @@ class ArrayData:
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         part = self._part(split)
-        ids = self.rows(split, index, batch_size, rows)
-        # Read in file order (local page reads), then put the rows back in batch order.
-        order = np.argsort(ids, kind="stable")
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))
-        ids = ids[order]
+        ids, restore = in_file_order(self.rows(split, index, batch_size, rows))
 
         def read(key: str) -> np.ndarray:
-            return np.asarray(part.arrays[key][ids])[back]
+            return restore(part.arrays[key][ids])
 
         x = {name: read(key) for name, key in self.inputs.items()}
         y = read("y")

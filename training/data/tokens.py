@@ -19,7 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ConfigError, TokenDataConfig
-from training.data import SPLITS, ArraySpec, DataSpec, EpochOrder, sampled_fingerprint
+from training.data import (
+    SPLITS,
+    ArraySpec,
+    DataSpec,
+    EpochOrder,
+    in_file_order,
+    sampled_fingerprint,
+)
 
 
 def open_tokens(path: str, dtype: np.dtype, what: str) -> np.memmap:
@@ -127,13 +134,8 @@ class TokenData:
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         part = self._part(split)
-        starts = self.starts(split, index, batch_size, rows)
-        # Read in file order (local page reads), then put the windows back in batch order.
-        order = np.argsort(starts, kind="stable")
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))
-        gathered = part.tokens[starts[order][:, None] + np.arange(self.window)]
-        windows = np.asarray(gathered)[back].astype(np.int32)
+        starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
+        windows = restore(part.tokens[starts[:, None] + np.arange(self.window)]).astype(np.int32)
         vocab = self.cfg.vocab_size
         low, high = (int(windows.min()), int(windows.max())) if windows.size else (0, 0)
         if low < 0 or (vocab and high >= vocab):
