@@ -82,10 +82,10 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     cfg = run_config(
         FAST + [f"checkpoint.dir={tmp_path}", "model.kwargs.hidden=128", "optimizer=sgd"]
     )
-    with pytest.raises(ConfigError, match="of a different model") as error:
+    with pytest.raises(ConfigError, match="of a different run") as error:
         preflight(cfg)
     message = str(error.value)
-    assert "optimizer 'adam' in the checkpoint, 'sgd' now" in message
+    assert "optimizer.name 'adam' in the checkpoint, 'sgd' now" in message
     assert "block_0_up/kernel has shape [64, 256] in the checkpoint, [64, 128] now" in message
     assert snapshot(tmp_path) == before
 
@@ -134,10 +134,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert any("tmp" in name for name in leftovers), leftovers  # the half-written step 4
 
     cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={tmp_path}"])
-    assert inspect_checkpoints(cfg, preflight_variables(cfg)) == 2
+    plan = preflight(cfg)
+    assert inspect_checkpoints(cfg, list(plan.variables), plan.data_spec.fingerprint) == 2
     model, _ = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     assert HostCheckpoints(cfg, model).restore_newest() == 2
-
-
-def preflight_variables(cfg):
-    return list(preflight(cfg).variables)

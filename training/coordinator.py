@@ -492,7 +492,7 @@ class Coordinator:
     def _checkpoint_summary(self, results: list[dict]) -> dict:
         if not self.cfg.checkpoint.enabled:
             return {}
-        summary = {"checkpoint_dir": str(Path(self.cfg.checkpoint.dir).absolute())}
+        summary = {"checkpoint_dir": self.cfg.checkpoint.dir}  # absolute, or a bucket URL
         if results and (step := newest_step(self.cfg.checkpoint)) is not None:
             summary["checkpoint_step"] = step
             summary["checkpoint_bytes"] = directory_bytes(self.cfg.checkpoint, step)

@@ -40,7 +40,11 @@ def preflight(cfg: RunConfig) -> Plan:
             variables,
             mesh,
         )
-    resume_step = inspect_checkpoints(cfg, variables) if cfg.checkpoint.enabled else None
+    resume_step = (
+        inspect_checkpoints(cfg, variables, data_spec.fingerprint)
+        if cfg.checkpoint.enabled
+        else None
+    )
     return Plan(mesh, hosts, per_host, data_spec, tuple(variables), resume_step)
 
 

@@ -51,7 +51,9 @@ def train(
     started = time.perf_counter()
     grid = device_grid(jax.devices(), mesh)
     model, dataset = build_on_grid(cfg, grid)
-    checkpoints = HostCheckpoints(cfg, model) if cfg.checkpoint.enabled else None
+    checkpoints = (
+        HostCheckpoints(cfg, model, dataset.spec.fingerprint) if cfg.checkpoint.enabled else None
+    )
     start = checkpoints.restore_newest() if checkpoints else 0
 
     process = jax.process_index()

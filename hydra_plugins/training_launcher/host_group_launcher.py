@@ -7,6 +7,10 @@ Hydra keeps the running job's config in process-wide singletons, and rich shows 
 display per process. At most `sweep.max_concurrent` trials run at once; a trial whose hosts
 do not fit yet waits in the placement queue (see `training.coordinator.HostGroup`).
 
+Each trial keeps its checkpoints in its own subdirectory of `checkpoint.dir`, named after
+the values the sweep gives it (`trial_checkpoint_id`), so trials never share or resume from
+each other's checkpoints, and the same sweep run again resumes each trial from its own.
+
 Each finished trial adds its row to sweep_summary.json/.csv in the sweep directory; the
 table is printed when the batch ends. Failed trials are reported to Hydra as failed jobs,
 so a sweep with a failed trial exits non-zero.
@@ -15,9 +19,11 @@ so a sweep with a failed trial exits non-zero.
 # No `from __future__ import annotations`: Hydra's plugin scan runs this module before it is
 # in sys.modules, where dataclasses look string annotations up.
 
+import hashlib
 import importlib
 import logging
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -27,6 +33,7 @@ from pathlib import Path
 
 import ray
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
 from hydra.core.utils import (
     JobReturn,
@@ -55,6 +62,42 @@ log = logging.getLogger(__name__)
 OUTPUT_SETTLE_SECONDS = 1.0
 # Without a terminal to fit (a log, a pipe), keep each trial's row on one line.
 TABLE_WIDTH = 200
+# A trial's checkpoint subdirectory name longer than this is cut and given a hash.
+TRIAL_ID_CHARS = 100
+
+
+def trial_checkpoint_id(overrides: Sequence[str], fixed_keys: set[str], number: int) -> str:
+    """The name of a trial's subdirectory of checkpoint.dir: its swept values, sorted by key
+    (`optimizer.learning_rate=0.001,strategy=hybrid`).
+
+    Built from the values rather than Hydra's job number, because the values are what a
+    checkpoint belongs to: the same sweep run again (with more steps, or with a value added
+    to a list, which renumbers the jobs) maps each trial to its own checkpoints again. Keys
+    the command line fixes for every trial (`fixed_keys`: trainer.steps=200) are left out,
+    so changing them still resumes; `checkpoint.dir` and hydra's own keys too. A trial with no
+    swept value is `trial_<number>`. Characters other than letters, digits and `._=,+-` become
+    `_`; a name so changed, or longer than TRIAL_ID_CHARS, ends in a hash of the full one,
+    so that distinct trials never share a name."""
+    parts = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.get_key_element().lstrip("+~")
+        if key in fixed_keys or key == "checkpoint.dir" or key.split(".")[0].startswith("hydra"):
+            continue
+        parts.append(f"{key}={override.get_value_element_as_str()}")
+    if not parts:
+        return f"trial_{number}"
+    full = ",".join(sorted(parts))
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", full)
+    if name != full or len(name) > TRIAL_ID_CHARS:
+        digest = hashlib.sha256(full.encode()).hexdigest()[:10]
+        name = f"{name[:TRIAL_ID_CHARS]}-{digest}"
+    return name
+
+
+def fixed_override_keys(task_overrides: Sequence[str]) -> set[str]:
+    """Keys the command line gives one value for every trial (not `key=a,b` sweeps)."""
+    parsed = OverridesParser.create().parse_overrides(list(task_overrides))
+    return {o.get_key_element().lstrip("+~") for o in parsed if not o.is_sweep_override()}
 
 
 @dataclass
@@ -104,6 +147,8 @@ class HostGroupLauncher(Launcher):
         self.task_function: TaskFunction | None = None
         # Every trial so far: sweepers such as Optuna's launch one batch after another.
         self.rows: dict[int, dict] = {}
+        # Each trial's checkpoint subdirectory name -> its trial number.
+        self.checkpoint_ids: dict[str, int] = {}
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -156,9 +201,22 @@ class HostGroupLauncher(Launcher):
             config.hydra.job.num = number
             # Absolute, since the trial's process resolves it from its own directory.
             config.hydra.sweep.dir = str(sweep_dir)
+            self._own_checkpoint_dir(config, number, overrides)
         subdir = OmegaConf.select(config, "hydra.sweep.subdir")
         log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
         return Trial(number, overrides, config, sweep_dir / str(subdir))
+
+    def _own_checkpoint_dir(self, config: DictConfig, number: int, overrides: list[str]) -> None:
+        """checkpoint.dir=<dir>/<trial id>: the trial's own subdirectory (a URL stays a URL)."""
+        directory = OmegaConf.select(config, "checkpoint.dir", default="")
+        if not directory:
+            return
+        task = OmegaConf.select(self.config, "hydra.overrides.task", default=[]) or []
+        name = trial_checkpoint_id(overrides, fixed_override_keys(task), number)
+        if self.checkpoint_ids.setdefault(name, number) != number:
+            # The same values twice (a search that samples a value again): never one directory.
+            name = f"{name}-trial_{number}"
+        config.checkpoint.dir = f"{str(directory).rstrip('/')}/{name}"
 
     def _run(self, trials: list[Trial], max_concurrent: int, sweep_dir: Path) -> dict:
         """Keep up to `max_concurrent` trials running; record each as it ends."""
