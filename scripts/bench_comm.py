@@ -5,8 +5,8 @@ all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, ring alg
 against what `training.plan` predicts (derived from the layout and the layer graph, as XLA
 compiles it: not the Megatron minimum, which XLA exceeds for attention); parameter +
 optimizer bytes per device of the live arrays against the ideal (everything split over the
-model axis) and against the plan's prediction. One process, 8 CPU devices; no timing, so the machine's load does not
-matter.
+model axis) and against the plan's prediction. One process, 8 CPU devices; no timing, so
+the machine's load does not matter.
 
     python scripts/bench_comm.py [--overrides model.kwargs.layers=4 model.kwargs.d_model=256 ...]
 """
