@@ -41,6 +41,15 @@ def run_module(module: str, *args: str, cwd: Path) -> subprocess.CompletedProces
             "but the cluster provides 8 (2 hosts × 4 devices)",
         ),
         (["trainer.global_batch=63"], "trainer.global_batch=63 is not divisible"),
+        (
+            ["model=keras", "model.build=nowhere:get_model", "model.loss=mse"],
+            "model.build='nowhere:get_model': cannot import module 'nowhere' (looked in ",
+        ),
+        # Ray itself retries such an address for minutes.
+        (
+            ["cluster=ray", "cluster.address=127.0.0.1:1"],
+            "cannot reach the Ray cluster at cluster.address=127.0.0.1:1: nothing answered",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line_without_a_traceback(tmp_path, args, message):

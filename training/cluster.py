@@ -8,6 +8,7 @@ node: one with GPUs (platform=gpu), or one carrying the custom resource
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ import ray
 from training.config import AUTO, ClusterConfig, ConfigError, RayClusterConfig, RunConfig
 
 HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
+REACH_TIMEOUT_S = 5.0
 
 
 def connect_ray(cluster: ClusterConfig) -> bool:
@@ -40,6 +42,9 @@ def connect_ray(cluster: ClusterConfig) -> bool:
             logging_level="WARNING",
         )
     else:
+        check_reachable(
+            os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
+        )
         try:
             ray.init(address=cluster.address, logging_level="WARNING")
         except ConnectionError as error:
@@ -47,6 +52,21 @@ def connect_ray(cluster: ClusterConfig) -> bool:
                 f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
             ) from None
     return True
+
+
+def check_reachable(address: str) -> None:
+    """Ray retries an address that does not answer for minutes: fail in seconds instead.
+    "auto" (a cluster on this node, found by Ray itself) is left to Ray, which fails fast."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as error:
+        raise ConfigError(
+            f"cannot reach the Ray cluster at cluster.address={address}: nothing answered on "
+            f"{host}:{port} within {REACH_TIMEOUT_S:g}s ({error})"
+        ) from None
 
 
 @contextmanager
