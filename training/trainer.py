@@ -227,7 +227,8 @@ def _train_loop(
 ) -> tuple[float | None, int]:
     """Train from step `start`; report each logged step and a beat at least every
     BEAT_SECONDS. Return the last logged loss (None if no step was left) and the step
-    reached. The first report says how long the step took to compile."""
+    reached. The first step is waited for and reported with how long the step took to
+    compile and whether the compile cache served it."""
     if start >= trainer.steps:
         return None, start
     runner = CompiledStep(model, trainer.accumulate, start)
@@ -235,15 +236,16 @@ def _train_loop(
     try:
         with cache_outcome() as compiled:
             compiled["compile_seconds"] = runner.compile(batches.peek())
-        report({"event": "compiled", **compiled})
-        reached = _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard)
+        reached = _steps(
+            trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled
+        )
     finally:
         batches.close()
     runner.to_keras()
     return reached
 
 
-def _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard):
+def _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled):
     model, k = runner.model, trainer.accumulate
     interval_start = last_beat = time.perf_counter()
     interval_steps = 0
@@ -253,6 +255,9 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
             runner(batches.take())
         interval_steps += 1
         done = step + 1
+        if done == start + 1:
+            runner.carry[1].block_until_ready()
+            report({"event": "compiled", "step": done, **compiled})
         last = done == trainer.steps
         logged = done % trainer.log_interval == 0 or last
         stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
