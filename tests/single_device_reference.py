@@ -1,9 +1,10 @@
 """The correctness reference: plain Keras, one process, one device, the same global batches.
 
-Usage: python single_device_reference.py '<json list of overrides>'  -> prints the losses at
-the logged steps as JSON. Shares only the model, data and optimizer definitions with the
-system under test, not its strategy, host or coordinator code. A user's model module is found
-from the working directory, as in a run.
+Usage: python single_device_reference.py '<json list of overrides>'  -> prints the logged
+losses as JSON (at each logged step, the mean loss of the steps since the last one logged).
+Shares only the model, data and optimizer definitions with the system under test, not its
+strategy, host or coordinator code. A user's model module is found from the working
+directory, as in a run.
 """
 
 import json
@@ -36,12 +37,13 @@ def reference_losses(overrides: list[str]) -> list[float]:
     model = models.build_model(cfg.model, dataset.spec)
     model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.build_loss(cfg.model))
     batch = cfg.trainer.global_batch
-    losses = []
+    losses, interval = [], []
     for step in range(cfg.trainer.steps):
         x, y = dataset.batch("train", step, batch, slice(0, batch))
-        loss = float(model.train_on_batch(x, y, return_dict=True)["loss"])
+        interval.append(float(model.train_on_batch(x, y, return_dict=True)["loss"]))
         if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.steps:
-            losses.append(loss)
+            losses.append(sum(interval) / len(interval))
+            interval = []
     return losses
 
 

@@ -352,6 +352,9 @@ class TrainerConfig:
     eval_batches: int = 4
     precision: str = "float32"  # or bfloat16: bf16 compute, float32 variables
     accumulate: int = 1  # micro-batches per optimizer step: global_batch / accumulate each
+    # JAX's persistent compilation cache: "" for ~/.cache/training/jax ($XDG_CACHE_HOME),
+    # "off" for none, else a directory every host can write (its own or shared)
+    compile_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _require_positive(

@@ -241,6 +241,7 @@ class Coordinator:
         self.timings: dict[str, float] = {}
         self.identities: list[dict] = []
         self.restarts: list[dict] = []
+        self.compiles: dict[int, dict] = {}  # each host's train step: seconds, cache outcome
         self.watchdog = Watchdog(plan.hosts, cfg.fault.timeout_s)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
@@ -413,6 +414,8 @@ class Coordinator:
             self.log.host_started(self.identities[host])
             if host == 0:
                 self._mark("model_built")
+        elif kind == "compiled":
+            self.compiles[host] = {key: event[key] for key in ("compile_seconds", "compile_cache")}
         elif kind == "warning":
             self.log.host_warning(host, event["message"])
         elif kind == "step":
@@ -467,6 +470,7 @@ class Coordinator:
             "started_at": self._started_at,
             "finished_at": time.time(),
             "phase_seconds": self.timings,
+            **self._compile_summary(),
             "host_identities": self.identities,
             # Each GPU taking part (nvidia-smi index, kind, memory) with the host holding it.
             "gpus": [
@@ -488,6 +492,22 @@ class Coordinator:
             summary["error"] = f"{type(error).__name__}: {error}"
             summary["traceback"] = traceback.format_exception(error)
         return summary
+
+    def _compile_summary(self) -> dict:
+        """How long the (latest host group's) train step took to compile, and whether the
+        persistent compilation cache served it: `miss` if any host compiled afresh, `hit` if
+        some host loaded it (on CPU, JAX 0.10 reports no cache lookup on processes other
+        than 0 of a multi-process cluster), `off` if no host used a cache."""
+        hosts = [self.compiles[h] for h in sorted(self.compiles)]
+        if not hosts:
+            return {}
+        outcomes = {h["compile_cache"] for h in hosts}
+        overall = "miss" if "miss" in outcomes else "hit" if "hit" in outcomes else "off"
+        return {
+            "compile_seconds": max(h["compile_seconds"] for h in hosts),
+            "compile_cache": overall,
+            "per_host_compile": hosts,
+        }
 
     def _checkpoint_summary(self, results: list[dict]) -> dict:
         if not self.cfg.checkpoint.enabled:

@@ -53,6 +53,9 @@ class HostActor:
         self.num_hosts = num_hosts
         self.platform = platform
         self._stop = threading.Event()
+        # While the driver still gathers the hosts and the coordinator address: importing
+        # touches no device, so `jax.distributed.initialize` still comes first.
+        threading.Thread(target=_import_libraries, name="imports", daemon=True).start()
 
     def request_stop(self) -> None:
         """Checkpoint and return after the current step (the driver is being preempted); the
@@ -127,6 +130,13 @@ class HostActor:
             process_id=self.host_index,
             initialization_timeout=max(1, int(timeout_s)),
         )
+
+
+def _import_libraries() -> None:
+    import jax  # noqa: F401
+    import keras  # noqa: F401
+
+    import training.trainer  # noqa: F401
 
 
 # Gloo prints a line from C++ for every communicator it connects, straight to stdout, with

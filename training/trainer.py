@@ -5,17 +5,19 @@ Nothing here knows about Ray: progress leaves through the `report` callback.
 
 from __future__ import annotations
 
-import math
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from training import models
 from training.checkpoint import HostCheckpoints
+from training.compile_cache import cache_outcome, use_cache
 from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
+from training.loop import CompiledStep, Prefetcher
 from training.optimizers import build_optimizer
 from training.strategy import (
     MeshShape,
@@ -49,6 +51,7 @@ def train(
     import jax
 
     started = time.perf_counter()
+    use_cache(cfg.trainer.compile_cache_dir)
     grid = device_grid(jax.devices(), mesh)
     model, dataset = build_on_grid(cfg, grid)
     checkpoints = (
@@ -70,7 +73,13 @@ def train(
         }
     )
     examples_per_step = _distinct_examples(grid, cfg.trainer.global_batch, process)
-    guard = StepGuard(cfg.trainer.steps, cfg.checkpoint.interval, checkpoints, stop_requested)
+    guard = StepGuard(
+        cfg.trainer.steps,
+        cfg.checkpoint.interval,
+        checkpoints,
+        stop_requested,
+        cfg.fault.timeout_s,
+    )
     final_loss, reached = _train_loop(
         cfg.trainer, model, feed, examples_per_step, report, start, guard
     )
@@ -108,28 +117,33 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     return model, dataset
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepGuard:
-    """What happens after each step: a non-finite loss stops the run, checkpoints are saved
-    on schedule, and a stop asked of any host stops all of them at the same step."""
+    """When hosts check and save: a non-finite loss stops the run before any checkpoint
+    after it, checkpoints are saved on schedule, and a stop asked of any host stops all of
+    them at the same step.
+
+    Hosts agree on a stop every AGREE_EVERY steps and at logged steps, through the
+    `jax.distributed` key-value store (no device collective, no wait for the devices)."""
 
     steps: int
     interval: int
     checkpoints: HostCheckpoints | None
     stop_requested: Callable[[], bool]
+    timeout_s: float = 300.0
 
-    def after(self, step: int, loss: float) -> bool:
-        """Check and save after `step` steps; True means stop now (checkpoint saved)."""
-        if not math.isfinite(loss):
-            raise NonFiniteLoss(self._non_finite(step, loss))
-        if self.checkpoints is None:
+    def saves(self, step: int, stop: bool) -> bool:
+        return self.checkpoints is not None and (
+            stop or step % self.interval == 0 or step == self.steps
+        )
+
+    def stop_agreed(self, step: int) -> bool:
+        """Whether any host was asked to stop; every host calls this at the same steps."""
+        if self.checkpoints is None:  # without checkpoints a stop is a kill, not a step
             return False
-        stop = _any_host(self.stop_requested())
-        if stop or step % self.interval == 0 or step == self.steps:
-            self.checkpoints.save(step)
-        return stop
+        return _any_host(self.stop_requested(), f"step{step}", self.timeout_s)
 
-    def _non_finite(self, step: int, loss: float) -> str:
+    def non_finite(self, step: int, loss: float) -> NonFiniteLoss:
         kept = "no checkpoint was configured (checkpoint.dir)"
         if self.checkpoints is not None:
             saved = self.checkpoints.saved_step
@@ -138,15 +152,29 @@ class StepGuard:
                 if saved is not None
                 else "no checkpoint had been saved yet"
             )
-        return f"the loss is {loss} at step {step}; stopped training; {kept}"
+        return NonFiniteLoss(f"the loss is {loss} at step {step}; stopped training; {kept}")
 
 
-def _any_host(flag: bool) -> bool:
-    """Whether `flag` is set on any host: hosts must agree on a stop, or those going on
-    would wait forever in the next step's collectives for those that left."""
-    from jax.experimental import multihost_utils
+AGREE_EVERY = 10  # steps between the hosts' checks for a stop, at most
+STOP_KEY = "training/stop"
 
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag], np.int32))))
+
+def _any_host(flag: bool, point: str, timeout_s: float) -> bool:
+    """Whether `flag` is set on any host at this agreement point: hosts must agree on a stop,
+    or those going on would wait forever in the next step's collectives for those that left.
+
+    A host asked to stop writes the stop key before the point's barrier; after the barrier
+    every host reads the same answer."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if jax.process_count() == 1 or client is None:
+        return flag
+    if flag:
+        client.key_value_set(f"{STOP_KEY}/{jax.process_index()}", point, allow_overwrite=True)
+    client.wait_at_barrier(f"training/agree/{point}", int(timeout_s * 1000))
+    return bool(client.key_value_dir_get(f"{STOP_KEY}/"))
 
 
 @dataclass(frozen=True)
@@ -160,30 +188,33 @@ class HostFeed:
     dataset: Dataset
     trainer: TrainerConfig
     rows: slice
+    # The training batches are read in a background thread: the dataset's one reader.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def train_step(self, model, step: int) -> float:
-        k, size = self.trainer.accumulate, self.trainer.micro_batch
-        losses = [
-            model.train_on_batch(*self.dataset.batch("train", step * k + i, size, self.rows))
-            for i in range(k)
-        ]
-        # Each loss is its micro-batch's, already agreed on by every process.
-        return sum(float(loss) for loss in losses) / k
+    def micro_batch(self, index: int) -> tuple:
+        return self.dataset.batch("train", index, self.trainer.micro_batch, self.rows)
+
+    def prefetch(self, step: int) -> Prefetcher:
+        """Micro-batches from step `step` on, each prepared while the one before is used."""
+        return Prefetcher(self.micro_batch, step * self.trainer.accumulate, self.lock)
 
     def rows_fed(self, step: int) -> list[int]:
         """Ids of the training examples this host fed at `step`, every micro-batch's."""
         k, size = self.trainer.accumulate, self.trainer.micro_batch
-        fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
+        with self.lock:
+            fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
         return np.concatenate(fed).tolist()
 
     def held_out_loss(self, model) -> float:
         """Mean loss over the first `eval_batches` global batches of held-out data, fed in
         micro-batches like training."""
         size, batches = self.trainer.micro_batch, self.trainer.eval_batches
-        losses = [
-            model.test_on_batch(*self.dataset.batch("held_out", i, size, self.rows))
-            for i in range(batches * self.trainer.accumulate)
-        ]
+        with self.lock:
+            data = [
+                self.dataset.batch("held_out", i, size, self.rows)
+                for i in range(batches * self.trainer.accumulate)
+            ]
+        losses = [model.test_on_batch(*batch) for batch in data]
         return sum(float(loss) for loss in losses) / len(losses)
 
 
@@ -197,19 +228,61 @@ def _train_loop(
     guard: StepGuard,
 ) -> tuple[float | None, int]:
     """Train from step `start`; report each logged step and a beat at least every
-    BEAT_SECONDS. Return the last loss (None if no step was left) and the step reached."""
+    BEAT_SECONDS. Return the last logged loss (None if no step was left) and the step
+    reached. The first step is waited for and reported with how long the step took to
+    compile and whether the compile cache served it."""
+    if start >= trainer.steps:
+        return None, start
+    runner = CompiledStep(model, trainer.accumulate, start)
+    batches = feed.prefetch(start)
+    try:
+        with cache_outcome() as compiled:
+            compiled["compile_seconds"] = runner.compile(batches.peek())
+        reached = _steps(
+            trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled
+        )
+    finally:
+        batches.close()
+    runner.to_keras()
+    return reached
+
+
+def _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled):
+    model, k = runner.model, trainer.accumulate
     interval_start = last_beat = time.perf_counter()
     interval_steps = 0
     loss, done = None, start
     for step in range(start, trainer.steps):
-        loss = feed.train_step(model, step)
+        for _ in range(k):
+            runner(batches.take())
         interval_steps += 1
         done = step + 1
-        stop = guard.after(done, loss)
-        now = time.perf_counter()
-        last = done == trainer.steps or stop
+        if done == start + 1:
+            runner.carry[1].block_until_ready()
+            report({"event": "compiled", "step": done, **compiled})
+        last = done == trainer.steps
+        logged = done % trainer.log_interval == 0 or last
+        stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
+        last = last or stop
         evaluate = trainer.eval_batches > 0 and (done % trainer.eval_interval == 0 or last)
-        if done % trainer.log_interval == 0 or last or evaluate:
+        logged = logged or last or evaluate
+        save = guard.saves(done, stop)
+        if logged:
+            interval = runner.read()
+            loss = interval.loss_sum / (interval_steps * k)
+            bad = (interval.bad_step, interval.bad_loss) if interval.bad_step is not None else None
+        else:
+            bad = runner.first_bad() if save else None
+            if done % AGREE_EVERY == 0:
+                runner.bound_in_flight()
+        if bad is not None:
+            raise guard.non_finite(*bad)
+        if save or evaluate:
+            runner.to_keras()
+        if save:
+            guard.checkpoints.save(done)
+        now = time.perf_counter()
+        if logged:
             event = {
                 "event": "step",
                 "step": done,
@@ -217,11 +290,12 @@ def _train_loop(
                 "seconds": now - interval_start,
                 "steps": interval_steps,
                 "examples": examples_per_step * interval_steps,
-                "learning_rate": float(model.optimizer.learning_rate),
+                "learning_rate": runner.learning_rate(),
                 "rows_fed": feed.rows_fed(step),
             }
             if evaluate:
                 event["eval_loss"] = feed.held_out_loss(model)
+                runner.from_keras()  # Keras' test step replaced the variables' arrays
             report(event)
             # Evaluation time stays out of the next interval's step times.
             interval_start = last_beat = time.perf_counter()

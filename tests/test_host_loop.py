@@ -1,0 +1,137 @@
+"""The hosts' asynchronous loop, in this process on the 8 test devices: it logs what a
+synchronous `train_on_batch` loop does, stops at a non-finite loss naming the first bad step
+with no checkpoint after it, and a second identical run loads its step from the cache."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from tests.conftest import run_config
+from training import trainer
+from training.checkpoint import newest_step
+from training.strategy import MeshShape, device_grid
+
+ROOT = Path(__file__).resolve().parent.parent
+HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
+# Intervals of 3 steps and a last one of 1: logged losses are each interval's mean.
+LOOP = ["trainer.steps=7", "trainer.log_interval=3", "trainer.global_batch=32"]
+
+
+@pytest.fixture(autouse=True)
+def restore_keras_globals():
+    yield
+    keras.distribution.set_distribution(None)
+    keras.config.set_dtype_policy("float32")
+
+
+def logged(overrides: list[str]) -> list[dict]:
+    reports = []
+    trainer.train(run_config(HYBRID + overrides), MeshShape(2, 4), reports.append)
+    return [r for r in reports if r["event"] == "step"]
+
+
+def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
+    """The same model, mesh and micro-batches through Keras' `train_on_batch`, waiting for
+    every loss: each logged interval's mean, and the held-out loss at the end."""
+    cfg = run_config(HYBRID + overrides)
+    model, dataset = trainer.build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
+    t = cfg.trainer
+    rows = slice(0, t.micro_batch)
+    means, interval = [], []
+    for step in range(t.steps):
+        micro = [
+            float(
+                model.train_on_batch(
+                    *dataset.batch("train", step * t.accumulate + i, t.micro_batch, rows)
+                )
+            )
+            for i in range(t.accumulate)
+        ]
+        interval.append(sum(micro) / len(micro))
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
+            means.append(sum(interval) / len(interval))
+            interval = []
+    held_out = [
+        float(model.test_on_batch(*dataset.batch("held_out", i, t.micro_batch, rows)))
+        for i in range(t.eval_batches * t.accumulate)
+    ]
+    return means, sum(held_out) / len(held_out)
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.accumulate=2", "optimizer=sgd"]])
+def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
+    overrides = LOOP + ["trainer.eval_batches=1", "trainer.eval_interval=100"] + extra
+    reports = logged(overrides)
+    expected, held_out = synchronous_losses(overrides)
+    assert [r["step"] for r in reports] == [3, 6, 7]
+    assert [r["steps"] for r in reports] == [3, 3, 1]
+    np.testing.assert_allclose([r["loss"] for r in reports], expected, rtol=1e-5)
+    assert reports[-1]["eval_loss"] == pytest.approx(held_out, rel=1e-5)
+
+
+def poison_step(monkeypatch, step: int) -> None:
+    """Make every input of step `step` (1-based) NaN: its loss, and all after, are NaN."""
+    batch = trainer.HostFeed.micro_batch
+
+    def poisoned(feed, index):
+        x, y = batch(feed, index)
+        if index // feed.trainer.accumulate == step - 1:
+            x = np.full_like(x, np.nan)
+        return x, y
+
+    monkeypatch.setattr(trainer.HostFeed, "micro_batch", poisoned)
+
+
+@pytest.mark.parametrize(
+    ("bad", "extra"),
+    [
+        # Saved every step: the save at the bad step is refused, the one before it is kept.
+        (4, ["checkpoint.interval=1", "trainer.log_interval=10"]),
+        # Noticed at the next logged step (6) and named as the step it happened; saved at 4.
+        (5, ["checkpoint.interval=4", "trainer.log_interval=3"]),
+    ],
+)
+def test_a_nan_at_step_k_stops_the_run_naming_k_with_no_checkpoint_after_it(
+    monkeypatch, tmp_path, bad, extra
+):
+    poison_step(monkeypatch, bad)
+    overrides = ["trainer.steps=10", "trainer.eval_batches=0", f"checkpoint.dir={tmp_path}"]
+    with pytest.raises(trainer.NonFiniteLoss, match=rf"the loss is nan at step {bad};"):
+        logged(overrides + extra)
+    saved = newest_step(run_config(HYBRID + overrides + extra).checkpoint)
+    assert saved == (bad - 1 if bad == 4 else 4)
+
+
+def compile_in_subprocess(cache: Path) -> dict:
+    """A fresh process trains the small MLP for 2 steps on 1 device; its 'compiled' report."""
+    script = f"""
+import json, os
+os.environ.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+                  KERAS_BACKEND="jax")
+from training import trainer
+from training.config import compose_run_config
+from training.strategy import MeshShape
+reports = []
+cfg = compose_run_config(["trainer.steps=2", "trainer.eval_batches=0", "trainer.global_batch=8",
+                  "trainer.compile_cache_dir={cache}"])
+trainer.train(cfg, MeshShape(1, 1), reports.append)
+print(json.dumps(next(r for r in reports if r["event"] == "compiled")))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_identical_run_loads_its_step_from_the_compile_cache(tmp_path):
+    first = compile_in_subprocess(tmp_path / "cache")
+    second = compile_in_subprocess(tmp_path / "cache")
+    assert first["compile_cache"] == "miss" and second["compile_cache"] == "hit"
+    assert any((tmp_path / "cache").iterdir())
+    assert compile_in_subprocess(Path("off"))["compile_cache"] == "off"

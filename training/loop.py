@@ -1,0 +1,231 @@
+"""The hosts' step: Keras' own `train_step`, compiled once, dispatched without waiting.
+
+Between steps the training state (trainable, non-trainable and optimizer variables) is a
+pytree of jax arrays with the variables' shardings; it is written into the Keras variables
+only where Keras reads them (a checkpoint save, evaluation, the end). Because the step is
+Keras' `train_step`, gradient accumulation (the optimizer's) and mixed precision behave as
+in `fit`.
+
+Each micro-batch's loss is summed on the devices, with the first non-finite step and its
+loss; the host reads them only at logged steps (`read`) and before a save (`first_bad`), so
+a step that is not logged moves nothing from the devices to the host. The next micro-batch
+is read and placed on the devices in a background thread while the current step runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+# At most about this many steps are left in flight: XLA:CPU's collectives can abort when
+# hundreds of steps are queued without the host ever waiting (jax #25861).
+MAX_STEPS_IN_FLIGHT = 10
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What the devices summed since the last read."""
+
+    loss_sum: float
+    micro_batches: int
+    bad_step: int | None  # the first step whose loss was not finite, None if none was
+    bad_loss: float
+
+
+class CompiledStep:
+    """One optimizer step is `accumulate` calls of the compiled micro-step."""
+
+    def __init__(self, model, accumulate: int, start_step: int):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.model, self.accumulate = model, accumulate
+        mesh = _mesh()
+        self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        model.reset_metrics()
+        # Fresh metric states for every step: the loss tracker then gives the step's loss.
+        # Keras never holds these arrays again (resetting its metrics assigns new ones).
+        self._metrics = [v.value for v in model.metrics_variables]
+        self.from_keras()
+        # (loss sum, micro-batches done since the start, first bad step, its loss)
+        start = start_step * accumulate
+        self.carry = jax.jit(lambda: _initial_carry(start), out_shardings=self._replicated)()
+        self._reset = jax.jit(_reset_sum, out_shardings=self._replicated)
+        self._compiled = None
+        self._in_flight: list = []
+
+    def from_keras(self) -> None:
+        """Take the state from the Keras variables (at the start, after Keras used them)."""
+        model = self.model
+        self.state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in model.optimizer.variables],
+        )
+
+    def to_keras(self) -> None:
+        """Write the state into the Keras variables. The next step donates these arrays:
+        call `from_keras` if Keras replaced them meanwhile (evaluation does)."""
+        model = self.model
+        groups = (model.trainable_variables, model.non_trainable_variables)
+        for variables, values in zip((*groups, model.optimizer.variables), self.state, strict=True):
+            for variable, value in zip(variables, values, strict=True):
+                variable.assign(value)
+
+    def compile(self, batch) -> float:
+        """Compile the micro-step for batches like `batch`; return the seconds it took."""
+        import jax
+
+        started = time.perf_counter()
+        model, accumulate = self.model, self.accumulate
+        shardings = model._get_state_sharding_spec()[:3]
+
+        def micro_step(state, metrics, carry, data):
+            logs, (trainable, non_trainable, optimizer, _) = model.train_step(
+                (*state, metrics), data
+            )
+            return (trainable, non_trainable, optimizer), _add_loss(carry, logs["loss"], accumulate)
+
+        # The state is donated: updated in place. The carry (four scalars) is not, so that
+        # `bound_in_flight` can wait on an older one.
+        step = jax.jit(micro_step, donate_argnums=0, out_shardings=(shardings, self._replicated))
+        self._compiled = step.lower(self.state, self._metrics, self.carry, batch).compile()
+        return time.perf_counter() - started
+
+    def __call__(self, batch) -> None:
+        """Dispatch one micro-batch; returns before the devices finish it."""
+        self.state, self.carry = self._compiled(self.state, self._metrics, self.carry, batch)
+
+    def bound_in_flight(self) -> None:
+        """Wait for the step dispatched about MAX_STEPS_IN_FLIGHT steps ago, if any: the
+        devices keep the steps since then queued."""
+        self._in_flight.append(self.carry[1])
+        if len(self._in_flight) > 1:
+            self._in_flight.pop(0).block_until_ready()
+
+    def read(self) -> Interval:
+        """Wait for the steps dispatched so far; return their sums and start new ones."""
+        import jax
+
+        loss_sum, micro, bad_step, bad_loss = jax.device_get(self.carry)
+        self.carry = self._reset(self.carry)
+        self._in_flight.clear()
+        return Interval(
+            float(loss_sum), int(micro), int(bad_step) if bad_step >= 0 else None, float(bad_loss)
+        )
+
+    def first_bad(self) -> tuple[int, float] | None:
+        """The first non-finite step and its loss so far (waits for the steps dispatched)."""
+        import jax
+
+        bad_step, bad_loss = jax.device_get(self.carry[2:])
+        return (int(bad_step), float(bad_loss)) if bad_step >= 0 else None
+
+    def learning_rate(self) -> float:
+        """The optimizer's current learning rate, read from the state (a schedule's too)."""
+        from keras import StatelessScope
+
+        optimizer = self.model.optimizer
+        mapping = list(zip(optimizer.variables, self.state[2], strict=True))
+        with StatelessScope(state_mapping=mapping):
+            return float(optimizer.learning_rate)
+
+
+def _initial_carry(micro_done: int):
+    import jax.numpy as jnp
+
+    return (
+        jnp.zeros((), jnp.float32),
+        jnp.asarray(micro_done, jnp.int32),
+        jnp.asarray(-1, jnp.int32),
+        jnp.asarray(jnp.nan, jnp.float32),
+    )
+
+
+def _reset_sum(carry):
+    import jax.numpy as jnp
+
+    return (jnp.zeros((), jnp.float32), *carry[1:])
+
+
+def _add_loss(carry, loss, accumulate: int):
+    """The carry after one micro-batch of loss `loss`: summed, counted, checked."""
+    import jax.numpy as jnp
+
+    loss_sum, micro, bad_step, bad_loss = carry
+    loss = loss.astype(jnp.float32)
+    step = micro // accumulate + 1  # the optimizer step (1-based) this micro-batch is in
+    first = (bad_step < 0) & ~jnp.isfinite(loss)
+    return (
+        loss_sum + loss,
+        micro + 1,
+        jnp.where(first, step, bad_step),
+        jnp.where(first, loss, bad_loss),
+    )
+
+
+def _mesh():
+    from keras import distribution
+
+    current = distribution.distribution()
+    return current.device_mesh.backend_mesh if current is not None else None
+
+
+class Prefetcher:
+    """Micro-batches in order, each read and placed on the devices in a background thread
+    while the step before it runs. `lock` guards the dataset against the main thread's own
+    reads (held-out batches, row ids)."""
+
+    def __init__(self, read_batch, first: int, lock: threading.Lock):
+        import jax
+
+        self._read, self._lock = read_batch, lock
+        with lock:
+            sample = read_batch(first)
+        # Computed here: Keras' distribution is thread-local, unset in the worker thread.
+        self._shardings = jax.tree.map(_data_sharding, sample)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._next = first
+        self._pending = self._pool.submit(self._place, sample)
+
+    def _load(self, index: int):
+        with self._lock:
+            batch = self._read(index)
+        return self._place(batch)
+
+    def _place(self, batch):
+        import jax
+
+        if jax.process_count() == 1:  # the same arrays, placed in one call
+            return jax.device_put(batch, self._shardings)
+        return jax.tree.map(jax.make_array_from_process_local_data, self._shardings, batch)
+
+    def peek(self):
+        """The next micro-batch, without taking it."""
+        return self._pending.result()
+
+    def take(self):
+        """The next micro-batch; starts preparing the one after it."""
+        batch = self._pending.result()
+        self._next += 1
+        self._pending = self._pool.submit(self._load, self._next)
+        return batch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _data_sharding(array: np.ndarray):
+    """The sharding Keras gives an input batch of this shape (its `_distribute_data`): this
+    host's rows of it become its part of one global array."""
+    import jax
+    from keras import distribution
+
+    current = distribution.distribution()
+    if current is None:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return current.get_data_layout(array.shape).backend_layout
