@@ -31,6 +31,7 @@ def test_hosts_that_fed_their_rows_pass():
     check.add_host(1, (16, 32))
     for step in (1, 7):
         check.check(step, [fed(check, step, slice(0, 16)), fed(check, step, slice(16, 32))])
+    assert check.checked_steps == 2
 
 
 def test_a_host_that_fed_another_hosts_rows_is_caught():

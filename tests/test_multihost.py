@@ -39,11 +39,11 @@ def train(overrides: list[str], output_dir: Path) -> dict:
 
 
 def assert_hosts_agree(summary: dict) -> None:
+    """Every host fed exactly its rows of each logged global batch, as the driver checked
+    against the data's order (agreeing losses would prove nothing: the loss is one value
+    every device shares)."""
     assert summary["status"] == "completed"
-    assert summary["hosts_agree_on_loss"]
-    first, second = summary["per_host_final_loss"]
-    assert first == pytest.approx(second, rel=1e-6)
-    assert summary["final_loss"] == pytest.approx(first, rel=1e-6)
+    assert summary["rows_fed_checked_steps"] == len(summary["logged_steps"]) > 0
     assert len(summary["per_host_step_seconds"]) == 2
     assert all(seconds > 0 for seconds in summary["per_host_step_seconds"])
     assert summary["examples_per_second"] > 0

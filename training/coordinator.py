@@ -38,6 +38,7 @@ from training.cluster import (
     ray_session,
 )
 from training.config import ClusterConfig, ConfigError, RunConfig
+from training.coverage import RowCoverage, WrongRows
 from training.display import ProgressDisplay
 from training.gpus import RESOURCE_PREFIX, host_gpus
 from training.host import HostActor, host_environment
@@ -242,6 +243,7 @@ class Coordinator:
         self.identities: list[dict] = []
         self.restarts: list[dict] = []
         self.compiles: dict[int, dict] = {}  # each host's train step: seconds, cache outcome
+        self.coverage = RowCoverage(plan.dataset, cfg.trainer)
         self.watchdog = Watchdog(plan.hosts, cfg.fault.timeout_s)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
@@ -405,6 +407,7 @@ class Coordinator:
             self._mark("jax_cluster_joined")
         elif kind == "ready":
             self._check_same_data(host, event["data_fingerprint"])
+            self.coverage.add_host(host, event["rows"])
             self.identities[host].update(
                 {
                     key: event[key]
@@ -421,6 +424,7 @@ class Coordinator:
         elif kind == "step":
             record = self.metrics.add(event)
             if record is not None:
+                self._check_rows_fed(record)
                 self.display.logged(record)
                 self.scalars.write(record)
         self.display.advance_to(watchdog.slowest_step())
@@ -437,6 +441,12 @@ class Coordinator:
                 f"{fingerprint[:12]} vs {self.plan.data_spec.fingerprint[:12]}): every host "
                 "needs the same files (data.root, data.glob) and data settings; stopped all hosts"
             )
+
+    def _check_rows_fed(self, record: dict) -> None:
+        try:
+            self.coverage.check(record["step"], record["rows_fed"])
+        except WrongRows as error:
+            raise HostFailure(str(error)) from None
 
     def _notify(self, message: str) -> None:
         self.display.console.print(message, highlight=False)
@@ -459,6 +469,8 @@ class Coordinator:
             "logged_steps": [r["step"] for r in records],
             "final_loss": records[-1]["loss"] if records else None,
             "per_host_final_loss": [r["final_loss"] for r in results],
+            # Logged steps at which every host fed exactly its rows of the global batch.
+            "rows_fed_checked_steps": self.coverage.checked_steps,
             "hosts_agree_on_loss": all(
                 r["hosts_agree"] and r.get("eval_hosts_agree", True) for r in records
             ),

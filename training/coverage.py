@@ -25,6 +25,7 @@ class RowCoverage:
     dataset: Dataset  # the driver's copy: only its order is read
     trainer: TrainerConfig
     shares: dict[int, slice] = field(default_factory=dict)  # host -> its rows of a batch
+    checked_steps: int = 0  # logged steps whose rows every host fed as it should
 
     def add_host(self, host: int, rows: tuple[int, int]) -> None:
         self.shares[host] = slice(*rows)
@@ -44,6 +45,7 @@ class RowCoverage:
                     f"global batch {step}: ids {_short(fed)}, expected {_short(expected)}; "
                     "stopped all hosts"
                 )
+        self.checked_steps += 1
 
     def _check_shares_tile_the_batch(self) -> None:
         covered = 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from training import models
 from training.checkpoint import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
-from training.data import DataSpec, build_dataset
+from training.data import Dataset, DataSpec, build_dataset
 from training.models import LayoutRules, VariableInfo
 from training.strategy import MeshShape, resolve_mesh
 
@@ -20,16 +20,22 @@ class Plan:
     mesh: MeshShape
     hosts: int
     devices_per_host: int
-    data_spec: DataSpec
     variables: tuple[VariableInfo, ...]
+    # The driver's copy of the data, whose order says which examples each host must feed.
+    dataset: Dataset = field(repr=False, compare=False)
     resume_step: int | None = None  # the newest checkpoint's, when checkpoint.dir has one
+
+    @property
+    def data_spec(self) -> DataSpec:
+        return self.dataset.spec
 
 
 def preflight(cfg: RunConfig) -> Plan:
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)
-    data_spec = build_dataset(cfg.data).spec
+    dataset = build_dataset(cfg.data)
+    data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
     model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
@@ -45,7 +51,7 @@ def preflight(cfg: RunConfig) -> Plan:
         if cfg.checkpoint.enabled
         else None
     )
-    return Plan(mesh, hosts, per_host, data_spec, tuple(variables), resume_step)
+    return Plan(mesh, hosts, per_host, tuple(variables), dataset, resume_step)
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:
