@@ -30,10 +30,17 @@ class Plan:
         return self.dataset.spec
 
 
-def preflight(cfg: RunConfig) -> Plan:
+def check_sizes(cfg: RunConfig) -> MeshShape:
+    """The instant checks: the mesh against the cluster, the batch against the mesh."""
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)
+    return mesh
+
+
+def preflight(cfg: RunConfig) -> Plan:
+    hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
+    mesh = check_sizes(cfg)
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
