@@ -442,8 +442,9 @@ class FaultConfig:
     # and Ray's timeouts are tens of minutes). From a host's start to its first step
     # (joining, building, restoring, compiling), and the jax.distributed initialisation:
     startup_timeout_s: float = 1800.0
-    # Once training runs: time without a finished step, and each evaluation or save; also
-    # how long a host may say nothing at all.
+    # Once training runs: time without a finished step (a host sees a step's result at least
+    # every 10 steps: this must exceed 10 steps' time), and each evaluation or save; also how
+    # long a host may say nothing at all.
     step_timeout_s: float = 300.0
     # Fresh host groups started after a host dies or stalls, each resuming from the newest
     # checkpoint (needs checkpoint.dir); 0 fails the run at the first lost host.
