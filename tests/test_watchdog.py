@@ -98,6 +98,15 @@ def test_a_host_beating_but_finishing_no_step_is_stuck_after_the_step_bound(cloc
     assert watchdog.slowest_step() == watchdog.furthest_step() == 100
 
 
+def test_the_first_step_reported_means_training_before_the_next_beat(clock):
+    watchdog = Watchdog(1, FAULT, clock)
+    watchdog.saw(0, beat("compiling", 30))
+    clock.now += 0.5
+    watchdog.saw(0, {"event": "compiled", "step": 1, "compile_seconds": 30.2})
+    assert watchdog.not_stepping() == []
+    assert (watchdog.hosts[0].phase, watchdog.slowest_step()) == ("training", 1)
+
+
 def test_steps_finishing_slower_than_beats_are_progress(clock):
     """The loop sees a step's result only now and then: each new one restarts the bound."""
     watchdog = Watchdog(1, FAULT, clock)

@@ -238,6 +238,8 @@ class Watchdog:
         if "phase" in event:
             progress.beating = True
             progress.phase, progress.phase_since = event["phase"], now - event["phase_seconds"]
+        elif event.get("event") == "compiled":  # the first step's result: training, now
+            progress.phase, progress.phase_since = TRAINING, now
 
     def done(self, host: int) -> None:
         self.hosts[host].done = True
