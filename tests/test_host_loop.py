@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import run_config
 from training import trainer
 from training.checkpoint import newest_step
+from training.phases import Phase
 from training.strategy import MeshShape, device_grid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +74,57 @@ def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
     assert [r["steps"] for r in reports] == [3, 3, 1]
     np.testing.assert_allclose([r["loss"] for r in reports], expected, rtol=1e-5)
     assert reports[-1]["eval_loss"] == pytest.approx(held_out, rel=1e-5)
+
+
+class RecordedPhase(Phase):
+    """Each phase entered and each step the loop says it finished, in order."""
+
+    def __init__(self) -> None:
+        super().__init__("joining")
+        self.log: list = []
+
+    def set(self, name: str) -> None:
+        if name != self.name:
+            self.log.append(name)
+        super().set(name)
+
+    def finished(self, step: int) -> None:
+        self.log.append(step)
+        super().finished(step)
+
+
+def test_the_finished_step_moves_only_where_the_host_saw_a_result(tmp_path):
+    """Steps dispatched without waiting: the host sees the first step, step 10 when it waits
+    for it at step 20, the saved step 25 and the logged last one; evaluation and saving are
+    phases of their own."""
+    phase = RecordedPhase()
+    overrides = [
+        "trainer.steps=35",
+        "trainer.log_interval=35",
+        "trainer.global_batch=32",
+        "trainer.eval_batches=1",
+        "trainer.eval_interval=35",
+        "checkpoint.interval=25",
+        f"checkpoint.dir={tmp_path}",
+    ]
+    trainer.train(run_config(HYBRID + overrides), MeshShape(2, 4), [].append, phase=phase)
+    assert phase.log == [
+        "building",
+        "restoring",
+        "compiling",
+        1,
+        "training",
+        10,
+        25,
+        "saving",
+        "training",
+        35,
+        "saving",
+        "training",
+        "evaluating",
+        "training",
+    ]
+    assert phase.step == 35
 
 
 def poison_step(monkeypatch, step: int) -> None:

@@ -89,6 +89,37 @@ def test_plain_progress_lines_carry_eta_and_the_slowest_host_on_one_line():
     assert_no_control_characters(out.getvalue())
 
 
+def test_without_a_terminal_a_long_phase_is_one_line_once_it_lasts():
+    out = io.StringIO()
+    display = ProgressDisplay(10, Console(file=out, width=40))
+    with display:  # polled every quarter second
+        display.phases([(0, "building", 3.0), (1, "building", 3.2)])
+        display.phases([(0, "compiling", 9.8), (1, "compiling", 10.1)])
+        display.phases([(0, "compiling", 10.05), (1, "compiling", 10.35)])
+        display.phases([(0, "evaluating", 12), (1, "evaluating", 11)])
+        display.phases([(0, "evaluating", 12.25), (1, "evaluating", 11.25)])
+        display.phases([(1, "saving", 42)])  # host 0 training
+        display.phases([])
+        display.phases([(1, "saving", 11)])  # another save
+    assert out.getvalue().splitlines() == [
+        "host 1 compiling, 10 s",
+        "host 0 compiling, 10 s",
+        "hosts 0, 1 evaluating, 12 s",
+        "host 1 saving, 42 s",
+        "host 1 saving, 11 s",
+    ]
+    assert_no_control_characters(out.getvalue())
+
+
+def test_on_a_terminal_the_bar_says_what_hosts_do_while_not_stepping():
+    out = io.StringIO()
+    display = ProgressDisplay(10, Console(file=out, width=200, force_terminal=True))
+    with display:
+        display.phases([(0, "compiling", 42.4), (1, "restoring", 3)])
+        display._bar.refresh()
+    assert "host 0 compiling, 42 s; host 1 restoring, 3 s" in out.getvalue()
+
+
 @pytest.mark.ray
 def test_a_short_run_logs_hosts_and_writes_tensorboard_scalars_equal_to_its_rows(
     ray_cluster, tmp_path

@@ -437,9 +437,15 @@ def url_scheme(path: str) -> str | None:
 
 @dataclass
 class FaultConfig:
-    # A host that reports no progress for this long is declared stuck; JAX's own heartbeat
-    # only catches dead processes, and Ray's timeouts are tens of minutes.
-    timeout_s: float = 180.0
+    # Hosts beat every second with what they are doing (training.phases); a host is declared
+    # stuck when a phase outlasts its bound (JAX's own heartbeat only catches dead processes,
+    # and Ray's timeouts are tens of minutes). From a host's start to its first step
+    # (joining, building, restoring, compiling), and the jax.distributed initialisation:
+    startup_timeout_s: float = 1800.0
+    # Once training runs: time without a finished step (a host sees a step's result at least
+    # every 10 steps: this must exceed 10 steps' time), and each evaluation or save; also how
+    # long a host may say nothing at all.
+    step_timeout_s: float = 300.0
     # Fresh host groups started after a host dies or stalls, each resuming from the newest
     # checkpoint (needs checkpoint.dir); 0 fails the run at the first lost host.
     max_restarts: int = 0
@@ -448,7 +454,8 @@ class FaultConfig:
     on_nan: str = "stop"
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s > 0, "fault.timeout_s must be > 0")
+        _require(self.startup_timeout_s > 0, "fault.startup_timeout_s must be > 0")
+        _require(self.step_timeout_s > 0, "fault.step_timeout_s must be > 0")
         _require(self.max_restarts >= 0, "fault.max_restarts must be >= 0")
         _require(
             self.on_nan in NAN_POLICIES,

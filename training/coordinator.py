@@ -1,9 +1,10 @@
 """The driver side of a run: place one actor per host, supervise them, write the results.
 
 The coordinator watches two things while hosts train: an actor that died or raised, and
-an actor that is alive but has reported nothing for `fault.timeout_s` (stuck in a
-collective, say). Either stops every host, since a JAX cluster cannot go on without one of
-its processes.
+an actor that is stuck (`Watchdog`): still starting after `fault.startup_timeout_s`, or once
+training without a finished step, or in one evaluation or save, for `fault.step_timeout_s`
+(stuck in a collective, say). Either stops every host, since a JAX cluster cannot go on
+without one of its processes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from training.cluster import (
     placement_strategy,
     ray_session,
 )
-from training.config import ClusterConfig, ConfigError, RunConfig
+from training.config import ClusterConfig, ConfigError, FaultConfig, RunConfig
 from training.coverage import RowCoverage, WrongRows
 from training.display import ProgressDisplay
 from training.gpus import RESOURCE_PREFIX, host_gpus
@@ -50,6 +51,7 @@ from training.metrics import (
     write_json,
 )
 from training.models import SPLIT_THRESHOLD_BYTES
+from training.phases import STARTUP_PHASES, TRAINING
 from training.preflight import Plan
 from training.tensorboard import ScalarWriter
 
@@ -188,45 +190,123 @@ def _wait_for_placement(
     return True
 
 
+@dataclass
+class HostProgress:
+    """What the driver knows of one host, on the driver's clock: its phase and since when,
+    its last finished step and since when it has had it, when it last said anything."""
+
+    seen: float
+    phase_since: float
+    step_since: float
+    phase: str = "starting"  # until its first beat
+    step: int = 0
+    beating: bool = False
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Stuck:
+    host: int
+    seconds: float  # how long without progress
+    description: str
+    silent: bool
+
+
 class Watchdog:
-    """Last time each host showed progress; names a host silent for longer than the timeout."""
+    """Judges each host's progress from its beats and reports (`training.phases`). A host is
+    stuck when
+    - it is still starting (joining, building, restoring, compiling its first step)
+      fault.startup_timeout_s after its start;
+    - training, it has finished no step for fault.step_timeout_s: a host blocked in a
+      collective keeps beating, but its finished step does not move;
+    - an evaluation or a save lasts longer than fault.step_timeout_s;
+    - having beaten, it says nothing for fault.step_timeout_s (a frozen process)."""
 
-    def __init__(self, hosts: int, timeout_s: float):
-        now = time.monotonic()
-        self.timeout_s = timeout_s
-        self.last_seen = [now] * hosts
-        self.last_step = [0] * hosts
+    def __init__(self, hosts: int, fault: FaultConfig, clock: Callable[[], float] = time.monotonic):
+        self.clock, self.fault = clock, fault
+        self.started = now = clock()
+        self.hosts = [HostProgress(now, now, now) for _ in range(hosts)]
 
-    def saw(self, host: int, step: int | None) -> None:
-        self.last_seen[host] = time.monotonic()
-        if step is not None:
-            self.last_step[host] = step
+    def saw(self, host: int, event: dict) -> None:
+        """A host's event: any proves it alive; a beat tells its phase, a beat or a
+        logged step its last finished step."""
+        now, progress = self.clock(), self.hosts[host]
+        progress.seen = now
+        step = event.get("step")
+        if step is not None and step > progress.step:
+            progress.step, progress.step_since = step, now
+        if "phase" in event:
+            progress.beating = True
+            progress.phase, progress.phase_since = event["phase"], now - event["phase_seconds"]
+        elif event.get("event") == "compiled":  # the first step's result: training, now
+            progress.phase, progress.phase_since = TRAINING, now
+
+    def done(self, host: int) -> None:
+        self.hosts[host].done = True
 
     def check(self) -> None:
-        """Raise if a host is silent; name every silent host, since a stuck host soon
-        blocks the others inside a collective."""
-        now = time.monotonic()
-        silent = [h for h, seen in enumerate(self.last_seen) if now - seen > self.timeout_s]
-        if silent:
-            details = ", ".join(
-                f"host {h} for {now - self.last_seen[h]:.0f}s (last step {self.last_step[h]})"
-                for h in silent
-            )
+        """Raise if a host is stuck; name every stuck host, the silent ones (the likely
+        cause) first, since a stuck host soon blocks the others inside a collective."""
+        stuck = sorted(self.stuck(), key=lambda s: (not s.silent, s.host))
+        if stuck:
             raise HostFailure(
-                f"no progress reported by {details}; fault.timeout_s={self.timeout_s:g}; "
-                "stopped all hosts",
+                f"no progress: {'; '.join(s.description for s in stuck)}; stopped all hosts",
                 restartable=True,
-                silent_s=max(self.silent_for(h) for h in silent),
+                silent_s=max(s.seconds for s in stuck),
             )
+
+    def stuck(self) -> list[Stuck]:
+        now = self.clock()
+        return [
+            found
+            for host, progress in enumerate(self.hosts)
+            if not progress.done and (found := self._judge(host, progress, now)) is not None
+        ]
+
+    def _judge(self, host: int, p: HostProgress, now: float) -> Stuck | None:
+        at = f"last step {p.step}" if p.step else "no step yet"
+        silent = now - p.seen
+        if p.beating and silent > self.fault.step_timeout_s:
+            return Stuck(
+                host,
+                silent,
+                f"host {host} silent for {silent:.0f} s (last seen {p.phase}, {at}), "
+                f"over fault.step_timeout_s={self.fault.step_timeout_s:g}",
+                silent=True,
+            )
+        in_phase = now - p.phase_since
+        if p.phase in STARTUP_PHASES:
+            bound, seconds = "startup_timeout_s", now - self.started
+            what = f"{p.phase} for {in_phase:.0f} s"
+            what += f", {seconds:.0f} s since it started" if p.beating else ""
+        elif p.phase == TRAINING:
+            bound, seconds = "step_timeout_s", now - max(p.step_since, p.phase_since)
+            what = f"training without a finished step for {seconds:.0f} s ({at})"
+        else:  # evaluating, saving
+            bound, seconds = "step_timeout_s", in_phase
+            what = f"{p.phase} for {seconds:.0f} s ({at})"
+        limit = getattr(self.fault, bound)
+        if seconds <= limit:
+            return None
+        return Stuck(host, seconds, f"host {host} {what}, over fault.{bound}={limit:g}", False)
+
+    def not_stepping(self) -> list[tuple[int, str, float]]:
+        """(host, phase, seconds in it) of each running host that is not training."""
+        now = self.clock()
+        return [
+            (host, p.phase, now - p.phase_since)
+            for host, p in enumerate(self.hosts)
+            if not p.done and p.phase != TRAINING
+        ]
 
     def silent_for(self, host: int) -> float:
-        return time.monotonic() - self.last_seen[host]
+        return self.clock() - self.hosts[host].seen
 
     def slowest_step(self) -> int:
-        return min(self.last_step)
+        return min(p.step for p in self.hosts)
 
     def furthest_step(self) -> int:
-        return max(self.last_step)
+        return max(p.step for p in self.hosts)
 
 
 class Coordinator:
@@ -244,7 +324,7 @@ class Coordinator:
         self.restarts: list[dict] = []
         self.compiles: dict[int, dict] = {}  # each host's train step: seconds, cache outcome
         self.coverage = RowCoverage(plan.dataset, cfg.trainer)
-        self.watchdog = Watchdog(plan.hosts, cfg.fault.timeout_s)
+        self.watchdog = Watchdog(plan.hosts, cfg.fault)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
         self._started_at = time.time()
@@ -329,7 +409,7 @@ class Coordinator:
             self.identities = ray.get([a.identity.remote() for a in group.actors])
             self._mark("actors_started")
             coordinator = ray.get(group.actors[0].coordinator_address.remote())
-            init_timeout = self.cfg.fault.timeout_s
+            init_timeout = self.cfg.fault.startup_timeout_s
             calls = {
                 actor.train.remote(
                     self.cfg, self.plan.mesh, coordinator, inbox, init_timeout, os.getcwd()
@@ -342,7 +422,7 @@ class Coordinator:
             inbox.shutdown()
 
     def _supervise(self, calls: dict, inbox: Queue, actors: list) -> list[dict]:
-        self.watchdog = watchdog = Watchdog(self.plan.hosts, self.cfg.fault.timeout_s)
+        self.watchdog = watchdog = Watchdog(self.plan.hosts, self.cfg.fault)
         results: dict[int, dict] = {}
         stop_sent = False
         with self.display:
@@ -360,7 +440,8 @@ class Coordinator:
                     results[calls[ref]] = result
                 self._drain(inbox, watchdog)
                 for host in results:
-                    watchdog.saw(host, None)
+                    watchdog.done(host)
+                self.display.phases(watchdog.not_stepping())
                 watchdog.check()
             self._drain(inbox, watchdog)
         return [results[h] for h in range(len(calls))]
@@ -399,7 +480,7 @@ class Coordinator:
 
     def _handle(self, event: dict, watchdog: Watchdog) -> None:
         host, kind = event["host"], event["event"]
-        watchdog.saw(host, event.get("step"))
+        watchdog.saw(host, event)
         if event.get("step"):  # a beat or a logged step: some host finished its first step
             self._mark("first_step")
             self._mark_recovered()

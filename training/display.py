@@ -16,6 +16,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+# Without a terminal, a phase other than training is told once it has lasted this long.
+PHASE_NOTICE_SECONDS = 10.0
+
 
 class ProgressDisplay:
     def __init__(self, total_steps: int, console: Console | None = None):
@@ -26,6 +29,7 @@ class ProgressDisplay:
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         self._bar: Progress | None = None
         self._task = None
+        self._told: dict[int, str] = {}  # host -> the phase last told of, without a terminal
 
     def __enter__(self) -> ProgressDisplay:
         if self.console.is_terminal:
@@ -39,10 +43,11 @@ class ProgressDisplay:
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[phases]}"),
                 console=self.console,
             )
             self._task = self._bar.add_task(
-                "train", total=self.total_steps, loss="-", speed="-", slowest="-"
+                "train", total=self.total_steps, loss="-", speed="-", slowest="-", phases=""
             )
             self._bar.start()
         return self
@@ -55,6 +60,30 @@ class ProgressDisplay:
         """Steps all hosts have passed, between logged steps."""
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
+
+    def phases(self, not_stepping: list[tuple[int, str, float]]) -> None:
+        """What hosts do while not stepping, as (host, phase, seconds in it): live on a
+        terminal ("host 1 compiling, 42 s"); elsewhere one line per host and phase once the
+        phase has lasted PHASE_NOTICE_SECONDS, hosts in the same phase on one line."""
+        if self._bar is not None:
+            shown = "; ".join(f"host {h} {phase}, {s:.0f} s" for h, phase, s in not_stepping)
+            self._bar.update(self._task, phases=shown)
+            return
+        current = {host: phase for host, phase, _ in not_stepping}
+        self._told = {h: p for h, p in self._told.items() if current.get(h) == p}
+        due: dict[str, list[tuple[int, float]]] = {}
+        for host, phase, seconds in not_stepping:
+            if seconds >= PHASE_NOTICE_SECONDS and host not in self._told:
+                due.setdefault(phase, []).append((host, seconds))
+                self._told[host] = phase
+        for phase, hosts in due.items():
+            names = ", ".join(str(h) for h, _ in hosts)
+            self.console.print(
+                f"{'hosts' if len(hosts) > 1 else 'host'} {names} {phase}, "
+                f"{max(s for _, s in hosts):.0f} s",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def logged(self, record: dict) -> None:
         loss, speed = f"{record['loss']:.4f}", f"{record['examples_per_second']:,.0f}"

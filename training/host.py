@@ -16,6 +16,7 @@ import ray
 
 from training.config import RunConfig
 from training.logs import forward_warnings
+from training.phases import Beats, Phase
 from training.strategy import MeshShape
 
 
@@ -111,11 +112,13 @@ class HostActor:
         def report(event: dict) -> None:
             inbox.put({**event, "host": self.host_index, "time": time.time()})
 
-        with forward_warnings(report):
+        # The beats go on while the host joins, builds, compiles or saves, however long.
+        phase = Phase("joining")
+        with forward_warnings(report), Beats(phase, report):
             started = time.perf_counter()
             self._join_jax_cluster(coordinator, init_timeout_s)
             report({"event": "joined", "seconds": time.perf_counter() - started})
-            return {"host": self.host_index, **train(cfg, mesh, report, self._stop.is_set)}
+            return {"host": self.host_index, **train(cfg, mesh, report, self._stop.is_set, phase)}
 
     def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
         import jax

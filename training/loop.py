@@ -100,12 +100,16 @@ class CompiledStep:
         """Dispatch one micro-batch; returns before the devices finish it."""
         self.state, self.carry = self._compiled(self.state, self._metrics, self.carry, batch)
 
-    def bound_in_flight(self) -> None:
-        """Wait for the step dispatched about MAX_STEPS_IN_FLIGHT steps ago, if any: the
-        devices keep the steps since then queued."""
-        self._in_flight.append(self.carry[1])
-        if len(self._in_flight) > 1:
-            self._in_flight.pop(0).block_until_ready()
+    def bound_in_flight(self, step: int) -> int | None:
+        """Mark `step`, just dispatched; wait for the step marked before it (about
+        MAX_STEPS_IN_FLIGHT steps ago), if any, and return that step: the devices keep the
+        steps since then queued."""
+        self._in_flight.append((step, self.carry[1]))
+        if len(self._in_flight) < 2:
+            return None
+        waited, done = self._in_flight.pop(0)
+        done.block_until_ready()
+        return waited
 
     def read(self) -> Interval:
         """Wait for the steps dispatched so far; return their sums and start new ones."""
@@ -123,6 +127,7 @@ class CompiledStep:
         import jax
 
         bad_step, bad_loss = jax.device_get(self.carry[2:])
+        self._in_flight.clear()
         return (int(bad_step), float(bad_loss)) if bad_step >= 0 else None
 
     def learning_rate(self) -> float:

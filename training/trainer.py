@@ -19,6 +19,7 @@ from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
 from training.loop import CompiledStep, Prefetcher
 from training.optimizers import build_optimizer
+from training.phases import TRAINING, Phase
 from training.strategy import (
     MeshShape,
     build_distribution,
@@ -28,7 +29,6 @@ from training.strategy import (
 )
 
 Report = Callable[[dict], None]
-BEAT_SECONDS = 1.0  # how often a host says it is alive between logged steps
 
 
 # Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
@@ -44,20 +44,28 @@ def _never() -> bool:
 
 
 def train(
-    cfg: RunConfig, mesh: MeshShape, report: Report, stop_requested: Callable[[], bool] = _never
+    cfg: RunConfig,
+    mesh: MeshShape,
+    report: Report,
+    stop_requested: Callable[[], bool] = _never,
+    phase: Phase | None = None,
 ) -> dict:
     """Train from the newest checkpoint (or from scratch) to trainer.steps, or until the
-    driver asks every host to checkpoint and stop."""
+    driver asks every host to checkpoint and stop. `phase` is kept up to date with what the
+    host is doing and the last step it finished (see `training.phases`)."""
     import jax
 
+    phase = phase or Phase()
     started = time.perf_counter()
+    phase.set("building")
     use_cache(cfg.trainer.compile_cache_dir)
     grid = device_grid(jax.devices(), mesh)
     model, dataset = build_on_grid(cfg, grid)
-    checkpoints = (
-        HostCheckpoints(cfg, model, dataset.spec.fingerprint) if cfg.checkpoint.enabled else None
-    )
-    start = checkpoints.restore_newest() if checkpoints else 0
+    checkpoints, start = None, 0
+    if cfg.checkpoint.enabled:
+        phase.set("restoring")
+        checkpoints = HostCheckpoints(cfg, model, dataset.spec.fingerprint)
+        start = checkpoints.restore_newest()
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
@@ -78,7 +86,9 @@ def train(
         cfg.checkpoint.interval,
         checkpoints,
         stop_requested,
-        cfg.fault.timeout_s,
+        phase,
+        # Past the driver's own bound: the driver, not a timed-out barrier, names a stuck host.
+        2 * cfg.fault.step_timeout_s,
     )
     final_loss, reached = _train_loop(
         cfg.trainer, model, feed, examples_per_step, report, start, guard
@@ -130,6 +140,7 @@ class StepGuard:
     interval: int
     checkpoints: HostCheckpoints | None
     stop_requested: Callable[[], bool]
+    phase: Phase = field(default_factory=Phase)
     timeout_s: float = 300.0
 
     def saves(self, step: int, stop: bool) -> bool:
@@ -227,12 +238,12 @@ def _train_loop(
     start: int,
     guard: StepGuard,
 ) -> tuple[float | None, int]:
-    """Train from step `start`; report each logged step and a beat at least every
-    BEAT_SECONDS. Return the last logged loss (None if no step was left) and the step
-    reached. The first step is waited for and reported with how long the step took to
-    compile and whether the compile cache served it."""
+    """Train from step `start`; report each logged step. Return the last logged loss (None
+    if no step was left) and the step reached. The first step is waited for and reported
+    with how long the step took to compile and whether the compile cache served it."""
     if start >= trainer.steps:
         return None, start
+    guard.phase.set("compiling")
     runner = CompiledStep(model, trainer.accumulate, start)
     batches = feed.prefetch(start)
     try:
@@ -248,8 +259,11 @@ def _train_loop(
 
 
 def _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled):
-    model, k = runner.model, trainer.accumulate
-    interval_start = last_beat = time.perf_counter()
+    """The steps, dispatched without waiting. The phase's finished step moves only where
+    the host has seen a step's result (the first step, a logged or saved step, the step
+    `bound_in_flight` waited for): a host stuck in a collective does not look busy."""
+    model, k, phase = runner.model, trainer.accumulate, guard.phase
+    interval_start = time.perf_counter()
     interval_steps = 0
     loss, done = None, start
     for step in range(start, trainer.steps):
@@ -259,6 +273,8 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
         done = step + 1
         if done == start + 1:
             runner.carry[1].block_until_ready()
+            phase.finished(done)
+            phase.set(TRAINING)
             report({"event": "compiled", "step": done, **compiled})
         last = done == trainer.steps
         logged = done % trainer.log_interval == 0 or last
@@ -269,40 +285,42 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
         save = guard.saves(done, stop)
         if logged:
             interval = runner.read()
+            phase.finished(done)
             loss = interval.loss_sum / (interval_steps * k)
             bad = (interval.bad_step, interval.bad_loss) if interval.bad_step is not None else None
+        elif save:
+            bad = runner.first_bad()
+            phase.finished(done)
         else:
-            bad = runner.first_bad() if save else None
-            if done % AGREE_EVERY == 0:
-                runner.bound_in_flight()
+            bad = None
+            if done % AGREE_EVERY == 0 and (seen := runner.bound_in_flight(done)) is not None:
+                phase.finished(seen)
         if bad is not None:
             raise guard.non_finite(*bad)
         if save or evaluate:
             runner.to_keras()
         if save:
-            guard.checkpoints.save(done)
-        now = time.perf_counter()
+            with phase.during("saving"):
+                guard.checkpoints.save(done)
         if logged:
             event = {
                 "event": "step",
                 "step": done,
                 "loss": loss,
-                "seconds": now - interval_start,
+                "seconds": time.perf_counter() - interval_start,
                 "steps": interval_steps,
                 "examples": examples_per_step * interval_steps,
                 "learning_rate": runner.learning_rate(),
                 "rows_fed": feed.rows_fed(step),
             }
             if evaluate:
-                event["eval_loss"] = feed.held_out_loss(model)
+                with phase.during("evaluating"):
+                    event["eval_loss"] = feed.held_out_loss(model)
                 runner.from_keras()  # Keras' test step replaced the variables' arrays
             report(event)
             # Evaluation time stays out of the next interval's step times.
-            interval_start = last_beat = time.perf_counter()
+            interval_start = time.perf_counter()
             interval_steps = 0
-        elif now - last_beat >= BEAT_SECONDS:
-            report({"event": "beat", "step": done})
-            last_beat = now
         if stop:
             break
     return loss, done

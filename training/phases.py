@@ -1,0 +1,92 @@
+"""What a host is doing, and the beats that tell the driver while it does it.
+
+A host is in one phase at a time: joining the JAX cluster, building the model, restoring a
+checkpoint, compiling (the first step, until its result), training, evaluating or saving.
+`Beats` sends the phase, how long it has lasted and the last step whose result the host has
+seen, every BEAT_SECONDS, from a thread that never waits on the devices: a host busy
+compiling for minutes still beats. The beats prove the process is alive; whether it makes
+progress the driver judges from the phase and the step (`training.coordinator.Watchdog`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+BEAT_SECONDS = 1.0
+# Until the first step's result: bounded together by fault.startup_timeout_s.
+STARTUP_PHASES = ("starting", "joining", "building", "restoring", "compiling")
+TRAINING = "training"
+# Inside training, each bounded by fault.step_timeout_s.
+PAUSES = ("evaluating", "saving")
+
+
+class Phase:
+    """The host's current phase, since when, and its last finished step (None before the
+    first). Set by the training loop, read by the beat thread."""
+
+    def __init__(self, name: str = "joining", clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.name, self.since = name, clock()
+        self.step: int | None = None
+
+    def set(self, name: str) -> None:
+        with self._lock:
+            if name != self.name:
+                self.name, self.since = name, self._clock()
+
+    @contextmanager
+    def during(self, name: str) -> Iterator[None]:
+        """`name` while the block runs, then the phase before it again."""
+        before = self.name
+        self.set(name)
+        try:
+            yield
+        finally:
+            self.set(before)
+
+    def finished(self, step: int) -> None:
+        """The result of `step` was seen on this host (not only dispatched)."""
+        with self._lock:
+            self.step = max(step, self.step or 0)
+
+    def beat(self) -> dict:
+        with self._lock:
+            beat = {
+                "event": "beat",
+                "phase": self.name,
+                "phase_seconds": self._clock() - self.since,
+            }
+            if self.step is not None:
+                beat["step"] = self.step
+            return beat
+
+
+class Beats:
+    """Report `phase.beat()` now and every `every` seconds until the block ends. A report
+    that fails (the driver gone) ends the beats; the host's own work decides its fate."""
+
+    def __init__(self, phase: Phase, report: Callable[[dict], None], every: float = BEAT_SECONDS):
+        self._phase, self._report, self._every = phase, report, every
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="beats", daemon=True)
+
+    def __enter__(self) -> Beats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5 * self._every)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._report(self._phase.beat())
+            except Exception:
+                return
+            if self._stopped.wait(self._every):
+                return
