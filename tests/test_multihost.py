@@ -132,6 +132,20 @@ def test_more_hosts_than_the_cluster_can_place_fails_within_the_timeout(ray_clus
     assert_no_actor_left()
 
 
+def test_ctrl_c_while_hosts_wait_for_placement_leaves_nothing_behind(ray_cluster, tmp_path):
+    from ray.util.placement_group import placement_group_table
+
+    overrides = ["cluster.hosts=8", "cluster.devices_per_host=1", "cluster.placement_timeout_s=120"]
+    ctrl_c = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_training(run_config(FAST + overrides), tmp_path)
+    ctrl_c.cancel()
+    assert_no_actor_left()
+    left = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    assert not left, left
+
+
 def signal_a_host_once_training(output_dir: Path, signum: int) -> threading.Thread:
     """Once the first logged step is written, send `signum` to one host actor's process."""
 
@@ -177,8 +191,11 @@ def test_a_frozen_host_is_caught_by_the_progress_timeout(ray_cluster, tmp_path):
 
 
 def test_a_host_silent_during_setup_is_caught_too(ray_cluster, tmp_path):
+    """Within the startup bound: the actors' start, then the hosts' own start to a step."""
     with pytest.raises(
-        HostFailure, match=r"no progress: host 0 \w+ for \d+ s.*over fault.startup_timeout_s=0.5"
+        HostFailure,
+        match=r"(host actors did not start|no progress: host 0 \w+ for \d+ s.*over) "
+        r"(within )?fault.startup_timeout_s=0.5",
     ):
         run_training(run_config(FAST + ["fault.startup_timeout_s=0.5"]), tmp_path)
     assert_no_actor_left()

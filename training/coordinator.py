@@ -100,14 +100,23 @@ class HostGroup:
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
         placement = placement_group(bundles, strategy=strategy, name=name)
         group = cls(placement)
-        if not _wait_for_placement(placement, name, cluster.placement_timeout_s, notify):
+        # Whatever stops the start (a timeout, Ctrl-C, SIGTERM) leaves no placement group
+        # or actor behind: on a shared cluster they would hold its devices.
+        try:
+            if not _wait_for_placement(placement, name, cluster.placement_timeout_s, notify):
+                raise ConfigError(
+                    f"the Ray cluster could not place {plan.hosts} hosts of {_describe(bundles)} "
+                    f"({strategy}) within cluster.placement_timeout_s="
+                    f"{cluster.placement_timeout_s:g}s; it has "
+                    f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
+                )
+            group._start_actors(cluster, plan, bundles)
+        except BaseException:
             group.shutdown()
-            raise ConfigError(
-                f"the Ray cluster could not place {plan.hosts} hosts of {_describe(bundles)} "
-                f"({strategy}) within cluster.placement_timeout_s="
-                f"{cluster.placement_timeout_s:g}s; it has "
-                f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
-            )
+            raise
+        return group
+
+    def _start_actors(self, cluster: ClusterConfig, plan: Plan, bundles: list[dict]) -> None:
         local_gpus = host_gpus(cluster) if cluster.name == "local" else None
         for host, bundle in enumerate(bundles):
             # Local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES; on a Ray cluster
@@ -124,12 +133,11 @@ class HostGroup:
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=host
+                    self.placement, placement_group_bundle_index=host
                 ),
                 runtime_env={"env_vars": env},
             ).remote(host, plan.hosts, cluster.platform)
-            group.actors.append(actor)
-        return group
+            self.actors.append(actor)
 
     def shutdown(self) -> None:
         for actor in self.actors:
@@ -406,9 +414,9 @@ class Coordinator:
         inbox = Queue(actor_options={"num_cpus": 0})
         try:
             self._mark("hosts_placed")
-            self.identities = ray.get([a.identity.remote() for a in group.actors])
+            self.identities = self._from_starting_hosts([a.identity.remote() for a in group.actors])
             self._mark("actors_started")
-            coordinator = ray.get(group.actors[0].coordinator_address.remote())
+            coordinator = self._from_starting_hosts(group.actors[0].coordinator_address.remote())
             init_timeout = self.cfg.fault.startup_timeout_s
             calls = {
                 actor.train.remote(
@@ -420,6 +428,19 @@ class Coordinator:
         finally:
             group.shutdown()
             inbox.shutdown()
+
+    def _from_starting_hosts(self, refs):
+        """The answer of host actors still starting, within the startup bound."""
+        bound = self.cfg.fault.startup_timeout_s
+        try:
+            return ray.get(refs, timeout=bound)
+        except GetTimeoutError:
+            raise HostFailure(
+                f"the host actors did not start within fault.startup_timeout_s={bound:g}; "
+                "stopped all hosts",
+                restartable=True,
+                silent_s=bound,
+            ) from None
 
     def _supervise(self, calls: dict, inbox: Queue, actors: list) -> list[dict]:
         self.watchdog = watchdog = Watchdog(self.plan.hosts, self.cfg.fault)

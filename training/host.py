@@ -54,6 +54,7 @@ class HostActor:
         self.num_hosts = num_hosts
         self.platform = platform
         self._stop = threading.Event()
+        self._port_reservation: socket.socket | None = None
         # While the driver still gathers the hosts and the coordinator address: importing
         # touches no device, so `jax.distributed.initialize` still comes first.
         threading.Thread(target=_import_libraries, name="imports", daemon=True).start()
@@ -84,10 +85,14 @@ class HostActor:
         return visible_gpu_rows()
 
     def coordinator_address(self) -> str:
-        """An address for the `jax.distributed` coordinator on this host, port chosen now."""
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
+        """An address for the `jax.distributed` coordinator on this host. The port stays
+        bound here until the coordinator has started: SO_REUSEPORT lets the coordinator's
+        gRPC server (which sets it too) bind it meanwhile, and no other process can take it
+        in between."""
+        self._port_reservation = socket.socket()
+        self._port_reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._port_reservation.bind(("", 0))
+        port = self._port_reservation.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def train(
@@ -133,6 +138,8 @@ class HostActor:
             process_id=self.host_index,
             initialization_timeout=max(1, int(timeout_s)),
         )
+        if self._port_reservation is not None:  # the coordinator is listening now
+            self._port_reservation.close()
 
 
 def _import_libraries() -> None:
