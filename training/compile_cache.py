@@ -15,7 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 OFF = "off"
-HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+# JAX records a hit for each program loaded from the cache, and a request for each looked up;
+# its miss event comes from the cache write, which only process 0 makes.
+HIT, REQUEST = (
+    "/jax/compilation_cache/cache_hits",
+    "/jax/compilation_cache/compile_requests_use_cache",
+)
 
 
 def cache_directory(setting: str) -> Path | None:
@@ -35,10 +40,16 @@ def use_cache(setting: str) -> Path | None:
 
     directory = cache_directory(setting)
     wanted = str(directory) if directory is not None else None
-    if jax.config.jax_compilation_cache_dir != wanted:
-        if directory is not None:
+    enabled = directory is not None
+    if (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache) != (
+        wanted,
+        enabled,
+    ):
+        if enabled:
             directory.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", wanted)
+        # Without a directory JAX would still look programs up (in no cache).
+        jax.config.update("jax_enable_compilation_cache", enabled)
         # JAX decides once per process whether it uses a cache: decide again.
         compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -47,19 +58,19 @@ def use_cache(setting: str) -> Path | None:
 
 
 class _Counts:
-    """Cache hits and misses in this process, counted from JAX's monitoring events."""
+    """Cache lookups and hits in this process, counted from JAX's monitoring events."""
 
     def __init__(self):
-        self.hits = self.misses = 0
+        self.hits = self.requests = 0
         self._lock = threading.Lock()
 
     def __call__(self, event: str, **kwargs) -> None:
-        if event in (HIT, MISS):
+        if event in (HIT, REQUEST):
             with self._lock:
                 if event == HIT:
                     self.hits += 1
                 else:
-                    self.misses += 1
+                    self.requests += 1
 
 
 _counts: _Counts | None = None
@@ -76,11 +87,12 @@ def cache_outcome():
     if _counts is None:
         _counts = _Counts()
         monitoring.register_event_listener(_counts)
-    hits, misses = _counts.hits, _counts.misses
+    hits, requests = _counts.hits, _counts.requests
     outcome: dict = {}
     try:
         yield outcome
     finally:
-        hits, misses = _counts.hits - hits, _counts.misses - misses
+        hits, requests = _counts.hits - hits, _counts.requests - requests
+        misses = requests - hits
         outcome["compile_cache"] = "miss" if misses else "hit" if hits else OFF
         outcome["compile_cache_hits"], outcome["compile_cache_misses"] = hits, misses

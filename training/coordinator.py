@@ -610,13 +610,12 @@ class Coordinator:
     def _compile_summary(self) -> dict:
         """How long the (latest host group's) train step took to compile, and whether the
         persistent compilation cache served it: `miss` if any host compiled afresh, `hit` if
-        some host loaded it (on CPU, JAX 0.10 reports no cache lookup on processes other
-        than 0 of a multi-process cluster), `off` if no host used a cache."""
+        every host loaded it, `off` if no host used a cache."""
         hosts = [self.compiles[h] for h in sorted(self.compiles)]
         if not hosts:
             return {}
         outcomes = {h["compile_cache"] for h in hosts}
-        overall = "miss" if "miss" in outcomes else "hit" if "hit" in outcomes else "off"
+        overall = "miss" if "miss" in outcomes else "hit" if outcomes == {"hit"} else "off"
         return {
             "compile_seconds": max(h["compile_seconds"] for h in hosts),
             "compile_cache": overall,
