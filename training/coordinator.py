@@ -332,6 +332,9 @@ class Coordinator:
         self.restarts: list[dict] = []
         self.compiles: dict[int, dict] = {}  # each host's train step: seconds, cache outcome
         self.coverage = RowCoverage(plan.dataset, cfg.trainer)
+        # Where the run's first host group resumed, as the hosts saw checkpoint.dir (on a
+        # cluster the driver may not see it at all).
+        self.resumed_from_step: int | None = None
         self.watchdog = Watchdog(plan.hosts, cfg.fault)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
@@ -510,6 +513,8 @@ class Coordinator:
         elif kind == "ready":
             self._check_same_data(host, event["data_fingerprint"])
             self.coverage.add_host(host, event["rows"])
+            if self.resumed_from_step is None:
+                self.resumed_from_step = event["resumed_from_step"]
             self.identities[host].update(
                 {
                     key: event[key]
@@ -592,7 +597,11 @@ class Coordinator:
                 for identity in self.identities
                 for gpu in identity.get("gpus") or []
             ],
-            "resumed_from_step": plan.resume_step or 0,
+            "resumed_from_step": (
+                self.resumed_from_step
+                if self.resumed_from_step is not None
+                else plan.resume_step or 0
+            ),
             "restarts": len(self.restarts),
             "failures": [
                 {k: v for k, v in r.items() if not k.startswith("_")} for r in self.restarts
