@@ -51,7 +51,7 @@ from training.metrics import (
     write_json,
 )
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.phases import STARTUP_PHASES, TRAINING
+from training.phases import BEAT_SECONDS, STARTUP_PHASES, TRAINING
 from training.preflight import Plan
 from training.tensorboard import ScalarWriter
 
@@ -60,6 +60,10 @@ FAILURE_GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 QUEUE_POLL_SECONDS = 1.0
 HOST_GROUP_PREFIX = "training-hosts"
+# A host that has missed this many beats is named with a stuck host even within its bounds:
+# a frozen process stops beating about when the hosts waiting for it stop stepping, and
+# either may reach its bound first.
+MISSED_BEATS = 5
 
 
 def _outcome(ref) -> tuple[dict | None, Exception | None]:
@@ -220,7 +224,8 @@ class Watchdog:
     - training, it has finished no step for fault.step_timeout_s: a host blocked in a
       collective keeps beating, but its finished step does not move;
     - an evaluation or a save lasts longer than fault.step_timeout_s;
-    - having beaten, it says nothing for fault.step_timeout_s (a frozen process)."""
+    - having beaten, it says nothing for fault.step_timeout_s (a frozen process).
+    Once one is stuck, a host that has missed MISSED_BEATS beats is named too, first."""
 
     def __init__(self, hosts: int, fault: FaultConfig, clock: Callable[[], float] = time.monotonic):
         self.clock, self.fault = clock, fault
@@ -247,8 +252,11 @@ class Watchdog:
     def check(self) -> None:
         """Raise if a host is stuck; name every stuck host, the silent ones (the likely
         cause) first, since a stuck host soon blocks the others inside a collective."""
-        stuck = sorted(self.stuck(), key=lambda s: (not s.silent, s.host))
+        stuck = self.stuck()
         if stuck:
+            named = {s.host for s in stuck}
+            stuck += [s for s in self.quiet() if s.host not in named]
+            stuck.sort(key=lambda s: (not s.silent, s.host))
             raise HostFailure(
                 f"no progress: {'; '.join(s.description for s in stuck)}; stopped all hosts",
                 restartable=True,
@@ -263,16 +271,35 @@ class Watchdog:
             if not progress.done and (found := self._judge(host, progress, now)) is not None
         ]
 
-    def _judge(self, host: int, p: HostProgress, now: float) -> Stuck | None:
+    def quiet(self) -> list[Stuck]:
+        """Running hosts that have beaten and then missed MISSED_BEATS beats."""
+        now = self.clock()
+        return [
+            self._silent(host, progress, now)
+            for host, progress in enumerate(self.hosts)
+            if not progress.done and self._missed_beats(progress, now)
+        ]
+
+    @staticmethod
+    def _missed_beats(p: HostProgress, now: float) -> bool:
+        return p.beating and now - p.seen > MISSED_BEATS * BEAT_SECONDS
+
+    @staticmethod
+    def _silent(host: int, p: HostProgress, now: float, bound: str = "") -> Stuck:
         at = f"last step {p.step}" if p.step else "no step yet"
         silent = now - p.seen
-        if p.beating and silent > self.fault.step_timeout_s:
-            return Stuck(
-                host,
-                silent,
-                f"host {host} silent for {silent:.0f} s (last seen {p.phase}, {at}), "
-                f"over fault.step_timeout_s={self.fault.step_timeout_s:g}",
-                silent=True,
+        return Stuck(
+            host,
+            silent,
+            f"host {host} silent for {silent:.0f} s (last seen {p.phase}, {at}){bound}",
+            silent=True,
+        )
+
+    def _judge(self, host: int, p: HostProgress, now: float) -> Stuck | None:
+        at = f"last step {p.step}" if p.step else "no step yet"
+        if p.beating and now - p.seen > self.fault.step_timeout_s:
+            return self._silent(
+                host, p, now, f", over fault.step_timeout_s={self.fault.step_timeout_s:g}"
             )
         in_phase = now - p.phase_since
         if p.phase in STARTUP_PHASES:
@@ -288,7 +315,10 @@ class Watchdog:
         limit = getattr(self.fault, bound)
         if seconds <= limit:
             return None
-        return Stuck(host, seconds, f"host {host} {what}, over fault.{bound}={limit:g}", False)
+        # Its last beat told the phase, and it has said nothing since: frozen in it.
+        quiet = self._missed_beats(p, now)
+        who = f"host {host} silent for {now - p.seen:.0f} s, " if quiet else f"host {host} "
+        return Stuck(host, seconds, f"{who}{what}, over fault.{bound}={limit:g}", quiet)
 
     def not_stepping(self) -> list[tuple[int, str, float]]:
         """(host, phase, seconds in it) of each running host that is not training."""
