@@ -32,6 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
 CHECKPOINTED = FAST + [f"trainer.steps={STEPS}", "trainer.log_interval=1", "trainer.eval_batches=0"]
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
+# What a fresh host group reaches, in order, after a failure (summary.json: recovery_phases).
+RECOVERY_PHASES = [
+    "hosts_placed",
+    "actors_started",
+    "jax_cluster_joined",
+    "model_built",
+    "first_step",
+]
 
 
 def saved_values(overrides: list[str]) -> dict[str, np.ndarray]:
@@ -200,6 +208,10 @@ def test_a_lost_host_is_replaced_and_the_run_ends_as_if_nothing_happened(
     assert 3 <= failure["resumed_from_step"] < STEPS
     assert failure["steps_redone"] == failure["failed_at_step"] - failure["resumed_from_step"]
     assert failure["detection_seconds"] >= detected_after and failure["recovery_seconds"] > 0
+    phases = failure["recovery_phases"]  # from noticing the failure
+    assert list(phases) == ["failed_group_stopped", *RECOVERY_PHASES]
+    assert list(phases.values()) == sorted(phases.values())
+    assert phases["first_step"] == pytest.approx(failure["recovery_seconds"], abs=0.1)
     # Another layout sums in another order than the uninterrupted data-parallel run.
     assert summary["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
     np.testing.assert_allclose(summary["loss_history"], whole["loss_history"], rtol=1e-5)

@@ -83,10 +83,18 @@ class HostFailure(RuntimeError):
     `restartable` failures (a host lost or silent) may be recovered by a fresh host group;
     a host that raised (a NaN loss, a bad checkpoint) would raise again."""
 
-    def __init__(self, message: str, restartable: bool = False, silent_s: float = 0.0):
+    def __init__(
+        self,
+        message: str,
+        restartable: bool = False,
+        silent_s: float = 0.0,
+        noticed: float | None = None,
+    ):
         super().__init__(message)
         self.restartable = restartable
         self.silent_s = silent_s  # how long the failed host had said nothing when noticed
+        # When the driver noticed it (time.monotonic), before waiting for the other hosts.
+        self.noticed = time.monotonic() if noticed is None else noticed
 
 
 @dataclass
@@ -399,7 +407,6 @@ class Coordinator:
             try:
                 return self._run_host_group()
             except HostFailure as failure:
-                detected = time.monotonic()
                 allowed = self.cfg.fault.max_restarts
                 if not failure.restartable or allowed == 0:
                     raise
@@ -407,9 +414,9 @@ class Coordinator:
                     raise HostFailure(
                         f"{failure}; no restart left (fault.max_restarts={allowed})"
                     ) from failure
-                self._prepare_restart(failure, detected)
+                self._prepare_restart(failure)
 
-    def _prepare_restart(self, failure: HostFailure, detected: float) -> None:
+    def _prepare_restart(self, failure: HostFailure) -> None:
         resume = newest_step(self.cfg.checkpoint) or 0
         reached = self.watchdog.furthest_step()
         self.restarts.append(
@@ -420,9 +427,11 @@ class Coordinator:
                 "steps_redone": max(reached - resume, 0),
                 # From the failed host's last report to the coordinator noticing.
                 "detection_seconds": failure.silent_s,
-                # From noticing to the fresh group's first step (set when it reports).
+                # From noticing (before the failed group is stopped) to the fresh group's
+                # first step, set when it reports; and when it reached each phase before.
                 "recovery_seconds": None,
-                "_detected": detected,
+                "recovery_phases": {"failed_group_stopped": time.monotonic() - failure.noticed},
+                "_detected": failure.noticed,
             }
         )
         self.metrics.rewind(resume)
@@ -481,7 +490,7 @@ class Coordinator:
 
         When a host dies, its peers fail moments later inside a collective; wait briefly for
         those so that the death, not the peers' connection errors, leads the message."""
-        silent_s = self.watchdog.silent_for(first)
+        silent_s, noticed = self.watchdog.silent_for(first), time.monotonic()
         ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
         failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
         failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
@@ -489,6 +498,7 @@ class Coordinator:
             "; then ".join(self._describe(h, e) for h, e in failures),
             restartable=isinstance(failures[0][1], RayActorError),
             silent_s=silent_s,
+            noticed=noticed,
         )
 
     def _describe(self, host: int, error: Exception) -> str:
@@ -564,6 +574,8 @@ class Coordinator:
 
     def _mark(self, phase: str) -> None:
         self.timings.setdefault(phase, time.perf_counter() - self._started)
+        if self.restarts and "_detected" in (last := self.restarts[-1]):
+            last["recovery_phases"].setdefault(phase, time.monotonic() - last["_detected"])
 
     def _summary(self, status: str, results: list[dict], error: BaseException | None = None):
         cfg, plan, records = self.cfg, self.plan, self.metrics.records
