@@ -1,10 +1,15 @@
 """The correctness reference: plain Keras, one process, one device, the same global batches.
 
-Usage: python single_device_reference.py '<json list of overrides>'  -> prints the logged
-losses as JSON (at each logged step, the mean loss of the steps since the last one logged).
+Usage: python single_device_reference.py '<json list of overrides>' ...  -> prints the logged
+losses as JSON (at each logged step, the mean loss of the steps since the last one logged),
+one line per list of overrides.
 Shares only the model, data and optimizer definitions with the system under test, not its
 strategy, host or coordinator code. A user's model module is found from the working
 directory, as in a run.
+
+`trainer.precision=bfloat16` computes under Keras' own mixed policy (bfloat16 compute,
+float32 variables). `trainer.accumulate` is ignored on purpose: each step trains on the
+whole global batch at once, which is what accumulating its micro-batches must equal.
 """
 
 import json
@@ -25,6 +30,9 @@ from training.config import register_configs, to_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.optimizers import build_optimizer  # noqa: E402
 
+# Keras' documented dtype policies, spelled out here rather than taken from the trainer.
+POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+
 
 def reference_losses(overrides: list[str]) -> list[float]:
     register_configs()
@@ -33,6 +41,7 @@ def reference_losses(overrides: list[str]) -> list[float]:
         cfg = to_run_config(compose("config", overrides=overrides))
     assert len(jax.devices()) == 1
     keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(POLICIES[cfg.trainer.precision])
     dataset = build_dataset(cfg.data)
     model = models.build_model(cfg.model, dataset.spec)
     model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.build_loss(cfg.model))
@@ -48,4 +57,5 @@ def reference_losses(overrides: list[str]) -> list[float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(reference_losses(json.loads(sys.argv[1]))))
+    for overrides in sys.argv[1:]:
+        print(json.dumps(reference_losses(json.loads(overrides))))

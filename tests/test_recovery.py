@@ -1,10 +1,16 @@
-"""Checkpoints in real 2-host Ray runs: exact continuation, a lost host, preemption, NaN."""
+"""Checkpoints in real Ray runs: exact continuation, also on another number of hosts; a lost
+or stalled host replaced; Ctrl-C and SIGTERM; NaN."""
 
+import contextlib
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -12,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
-from tests.test_checkpoint import values
+from tests.test_checkpoint import HYBRID, values
 from training.checkpoint import HostCheckpoints
 from training.coordinator import HostFailure
 from training.run import run_training
@@ -25,6 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every step is logged and saved: the lost host below is killed somewhere in the middle.
 STEPS = 12
 CHECKPOINTED = FAST + [f"trainer.steps={STEPS}", "trainer.log_interval=1", "trainer.eval_batches=0"]
+ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
+# What a fresh host group reaches, in order, after a failure (summary.json: recovery_phases).
+RECOVERY_PHASES = [
+    "hosts_placed",
+    "actors_started",
+    "jax_cluster_joined",
+    "model_built",
+    "first_step",
+]
 
 
 def saved_values(overrides: list[str]) -> dict[str, np.ndarray]:
@@ -69,44 +84,138 @@ def test_half_a_run_then_a_resumed_half_matches_one_whole_run(uninterrupted, tmp
     assert_no_actor_left()
 
 
-def kill_a_host_after_step(output_dir: Path, step: int) -> dict:
-    """Kill one host actor's process once `step` is logged; return when (wall clock)."""
-    import os
-    import threading
+def interrupt_once_hosts_start(output_dir: Path) -> dict:
+    """Ctrl-C, as a terminal sends it to the driver (this process), once the run writing
+    `output_dir` has its hosts: they are still starting, so they stop at their first step.
+    Never sent unless the run's own handler holds SIGINT (it would end the test session)."""
 
-    killed = {}
+    def act() -> dict:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            return {"sent": False}
+        os.kill(os.getpid(), signal.SIGINT)
+        return {"sent": True}
 
-    def act() -> None:
+    return while_running(output_dir, lambda _: bool(alive_actors("HostActor")), act)
+
+
+def test_ctrl_c_then_resumes_on_1_host_then_on_2_match_one_whole_run(uninterrupted, tmp_path):
+    """A hybrid (2, 4) run: Ctrl-C'd on 2 hosts × 4 devices, resumed on 1 host × 8 devices,
+    resumed again on 2 × 4: each resume reshards the arrays a different number of processes
+    wrote, and the three runs' losses are the uninterrupted run's."""
+    whole, _ = uninterrupted
+    checkpoints = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=4"]
+    hybrid = CHECKPOINTED + HYBRID + checkpoints
+    interrupt = interrupt_once_hosts_start(tmp_path / "a")
+    first = run_training(run_config(hybrid), tmp_path / "a")
+    assert interrupt.get("sent"), f"Ctrl-C was not sent: {interrupt}"
+    assert first["status"] == "preempted" and first["stopped_by"] == "SIGINT"
+    stopped = first["checkpoint_step"]
+    assert first["logged_steps"][-1] == stopped <= STEPS // 2 and first["hosts"] == 2
+    middle = (stopped + STEPS) // 2
+    second = run_training(
+        run_config(hybrid + ONE_HOST + [f"trainer.steps={middle}"]), tmp_path / "b"
+    )
+    third = run_training(run_config(hybrid), tmp_path / "c")
+    assert (second["hosts"], second["devices_per_host"], third["hosts"]) == (1, 8, 2)
+    assert second["resumed_from_step"] == stopped and third["resumed_from_step"] == middle
+    assert second["status"] == third["status"] == "completed"
+    resumed = first["loss_history"] + second["loss_history"] + third["loss_history"]
+    np.testing.assert_allclose(resumed, whole["loss_history"], rtol=1e-5)
+    assert_no_actor_left()
+
+
+def while_running(
+    output_dir: Path, ready: Callable[[list[str]], bool], act: Callable[[], dict]
+) -> dict:
+    """In a thread, while the run writing `output_dir` is under way (its metrics file is
+    there, its summary not yet; 240 s at most): once `ready(the metrics lines so far)`, call
+    `act`. The returned dict then holds what `act` returned and when (wall clock, `at`)."""
+    done: dict = {}
+    metrics, summary = output_dir / "metrics.jsonl", output_dir / "summary.json"
+
+    def watch() -> None:
         deadline = time.monotonic() + 240
-        metrics = output_dir / "metrics.jsonl"
         while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
-                os.kill(alive_actors("HostActor")[-1].pid, signal.SIGKILL)
-                killed["at"] = time.time()
+            under_way = metrics.exists() and not summary.exists()
+            if under_way and ready(metrics.read_text().splitlines()):
+                done.update(act(), at=time.time())
                 return
             time.sleep(0.05)
 
-    threading.Thread(target=act, daemon=True).start()
-    return killed
+    threading.Thread(target=watch, daemon=True).start()
+    return done
 
 
-def test_a_lost_host_is_replaced_and_the_run_ends_as_if_nothing_happened(uninterrupted, tmp_path):
+def signal_a_host_after_step(output_dir: Path, step: int, signum: int = signal.SIGKILL) -> dict:
+    """Send `signum` to one host actor's process once `step` is logged; the dict then holds
+    its `pid` and when (`at`)."""
+
+    def act() -> dict:
+        pid = alive_actors("HostActor")[-1].pid
+        os.kill(pid, signum)
+        return {"pid": pid}
+
+    return while_running(output_dir, lambda lines: len(lines) >= step, act)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` (`T` stopped, `Z` a zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("signum", "overrides", "error", "detected_after"),
+    [
+        # Dead: Ray sees the actor die. The hybrid checkpoints are written by 2 processes and
+        # restored by 2 fresh ones.
+        (signal.SIGKILL, HYBRID, r"host [01] died", 0),
+        # Frozen, not dead: only the hosts' beats tell. Model-parallel checkpoints, and
+        # accumulation over 2 micro-batches, which must learn what the whole batch does.
+        (
+            signal.SIGSTOP,
+            ["strategy=model_parallel", "mesh.model=8", "trainer.accumulate=2"]
+            + ["fault.step_timeout_s=10"],
+            r"^no progress: host [01] silent for \d+ s\b.*over fault.step_timeout_s=10",
+            10,
+        ),
+    ],
+    ids=["killed", "stalled"],
+)
+def test_a_lost_host_is_replaced_and_the_run_ends_as_if_nothing_happened(
+    uninterrupted, tmp_path, signum, overrides, error, detected_after
+):
     whole, _ = uninterrupted
-    overrides = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=1"]
-    killed = kill_a_host_after_step(tmp_path, 3)
-    summary = run_training(
-        run_config(CHECKPOINTED + overrides + ["fault.max_restarts=1"]), tmp_path
-    )
-    assert killed, "the host was never killed"
+    restartable = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=1"]
+    hit = signal_a_host_after_step(tmp_path, 3, signum)
+    try:
+        summary = run_training(
+            run_config(CHECKPOINTED + restartable + overrides + ["fault.max_restarts=1"]),
+            tmp_path,
+        )
+    finally:
+        left = process_state(hit["pid"]) if "pid" in hit else None
+        if left is not None:  # nothing stays behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hit["pid"], signal.SIGKILL)
+    assert hit, "the host was never signalled"
+    assert left in (None, "Z"), f"the signalled host's process is left, state {left}"
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (failure,) = summary["failures"]
-    assert "died" in failure["error"]
+    assert re.search(error, failure["error"]), failure["error"]
     assert 3 <= failure["resumed_from_step"] < STEPS
     assert failure["steps_redone"] == failure["failed_at_step"] - failure["resumed_from_step"]
-    assert failure["detection_seconds"] >= 0 and failure["recovery_seconds"] > 0
-    assert summary["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-6)
-    np.testing.assert_allclose(summary["loss_history"], whole["loss_history"], rtol=1e-6)
-    print(f"\nkill -> restart: {json.dumps(failure)}")
+    assert failure["detection_seconds"] >= detected_after and failure["recovery_seconds"] > 0
+    phases = failure["recovery_phases"]  # from noticing the failure
+    assert list(phases) == ["failed_group_stopped", *RECOVERY_PHASES]
+    assert list(phases.values()) == sorted(phases.values())
+    assert phases["first_step"] == pytest.approx(failure["recovery_seconds"], abs=0.1)
+    # Another layout sums in another order than the uninterrupted data-parallel run.
+    assert summary["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
+    np.testing.assert_allclose(summary["loss_history"], whole["loss_history"], rtol=1e-5)
+    print(f"\n{signal.Signals(signum).name} -> restart: {json.dumps(failure)}")
     assert_no_actor_left()
 
 

@@ -136,6 +136,14 @@ def test_an_evaluation_or_a_save_longer_than_the_step_bound_is_stuck(clock, paus
     assert watchdog.stuck() == []
 
 
+def stuck_message(watchdog: Watchdog, silent_s: float) -> str:
+    """The failure `check` raises; `silent_s`: the longest time without progress it names."""
+    with pytest.raises(HostFailure) as failure:
+        watchdog.check()
+    assert failure.value.restartable and failure.value.silent_s == pytest.approx(silent_s)
+    return str(failure.value)
+
+
 def test_a_silent_host_is_named_first_and_a_finished_one_never(clock):
     """A frozen process stops beating; the host waiting for it in a collective goes on
     beating without a step. The frozen one is the cause."""
@@ -145,15 +153,32 @@ def test_a_silent_host_is_named_first_and_a_finished_one_never(clock):
     for _ in range(11):
         clock.now += 1
         watchdog.saw(0, beat("training", clock.now - since, 5))
-    with pytest.raises(HostFailure) as failure:
-        watchdog.check()
-    assert str(failure.value) == (
+    assert stuck_message(watchdog, silent_s=11) == (
         "no progress: host 1 silent for 11 s (last seen training, last step 5), over "
         "fault.step_timeout_s=10; host 0 training without a finished step for 11 s "
         "(last step 5), over fault.step_timeout_s=10; stopped all hosts"
     )
-    assert failure.value.silent_s == pytest.approx(11)
     assert watchdog.silent_for(0) == 0 and watchdog.silent_for(1) == 11
+
+
+def test_hosts_that_stopped_beating_are_named_first_when_a_peer_is_stuck_before_them(clock):
+    """A frozen host stops beating about when the hosts waiting for it stop stepping, and
+    either may reach its bound first: hosts that missed their beats are named as silent."""
+    watchdog = Watchdog(3, FaultConfig(step_timeout_s=10), clock)
+    beating(watchdog, clock, 5, "training", lambda host, s: s)
+    for seconds in range(1, 12):
+        clock.now += 1
+        watchdog.saw(0, beat("saving", seconds, 5))
+        if seconds <= 2:  # then hosts 1 (stepping on) and 2 (saving) freeze
+            watchdog.saw(1, beat("training", 5 + seconds, 5 + seconds))
+            watchdog.saw(2, beat("saving", seconds, 5))
+        if seconds <= 10:
+            watchdog.check()  # silent for up to 8 s: not named while no host is stuck
+    assert stuck_message(watchdog, silent_s=11) == (
+        "no progress: host 1 silent for 9 s (last seen training, last step 7); "
+        "host 2 silent for 9 s, saving for 11 s (last step 5), over fault.step_timeout_s=10; "
+        "host 0 saving for 11 s (last step 5), over fault.step_timeout_s=10; stopped all hosts"
+    )
 
 
 def test_phases_and_the_finished_step_as_the_beats_carry_them(clock):

@@ -51,7 +51,7 @@ from training.metrics import (
     write_json,
 )
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.phases import STARTUP_PHASES, TRAINING
+from training.phases import BEAT_SECONDS, STARTUP_PHASES, TRAINING
 from training.preflight import Plan
 from training.tensorboard import ScalarWriter
 
@@ -60,6 +60,10 @@ FAILURE_GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 QUEUE_POLL_SECONDS = 1.0
 HOST_GROUP_PREFIX = "training-hosts"
+# A host that has missed this many beats is named with a stuck host even within its bounds:
+# a frozen process stops beating about when the hosts waiting for it stop stepping, and
+# either may reach its bound first.
+MISSED_BEATS = 5
 
 
 def _outcome(ref) -> tuple[dict | None, Exception | None]:
@@ -79,10 +83,18 @@ class HostFailure(RuntimeError):
     `restartable` failures (a host lost or silent) may be recovered by a fresh host group;
     a host that raised (a NaN loss, a bad checkpoint) would raise again."""
 
-    def __init__(self, message: str, restartable: bool = False, silent_s: float = 0.0):
+    def __init__(
+        self,
+        message: str,
+        restartable: bool = False,
+        silent_s: float = 0.0,
+        noticed: float | None = None,
+    ):
         super().__init__(message)
         self.restartable = restartable
         self.silent_s = silent_s  # how long the failed host had said nothing when noticed
+        # When the driver noticed it (time.monotonic), before waiting for the other hosts.
+        self.noticed = time.monotonic() if noticed is None else noticed
 
 
 @dataclass
@@ -228,7 +240,8 @@ class Watchdog:
     - training, it has finished no step for fault.step_timeout_s: a host blocked in a
       collective keeps beating, but its finished step does not move;
     - an evaluation or a save lasts longer than fault.step_timeout_s;
-    - having beaten, it says nothing for fault.step_timeout_s (a frozen process)."""
+    - having beaten, it says nothing for fault.step_timeout_s (a frozen process).
+    Once one is stuck, a host that has missed MISSED_BEATS beats is named too, first."""
 
     def __init__(self, hosts: int, fault: FaultConfig, clock: Callable[[], float] = time.monotonic):
         self.clock, self.fault = clock, fault
@@ -255,8 +268,11 @@ class Watchdog:
     def check(self) -> None:
         """Raise if a host is stuck; name every stuck host, the silent ones (the likely
         cause) first, since a stuck host soon blocks the others inside a collective."""
-        stuck = sorted(self.stuck(), key=lambda s: (not s.silent, s.host))
+        stuck = self.stuck()
         if stuck:
+            named = {s.host for s in stuck}
+            stuck += [s for s in self.quiet() if s.host not in named]
+            stuck.sort(key=lambda s: (not s.silent, s.host))
             raise HostFailure(
                 f"no progress: {'; '.join(s.description for s in stuck)}; stopped all hosts",
                 restartable=True,
@@ -271,16 +287,35 @@ class Watchdog:
             if not progress.done and (found := self._judge(host, progress, now)) is not None
         ]
 
-    def _judge(self, host: int, p: HostProgress, now: float) -> Stuck | None:
+    def quiet(self) -> list[Stuck]:
+        """Running hosts that have beaten and then missed MISSED_BEATS beats."""
+        now = self.clock()
+        return [
+            self._silent(host, progress, now)
+            for host, progress in enumerate(self.hosts)
+            if not progress.done and self._missed_beats(progress, now)
+        ]
+
+    @staticmethod
+    def _missed_beats(p: HostProgress, now: float) -> bool:
+        return p.beating and now - p.seen > MISSED_BEATS * BEAT_SECONDS
+
+    @staticmethod
+    def _silent(host: int, p: HostProgress, now: float, bound: str = "") -> Stuck:
         at = f"last step {p.step}" if p.step else "no step yet"
         silent = now - p.seen
-        if p.beating and silent > self.fault.step_timeout_s:
-            return Stuck(
-                host,
-                silent,
-                f"host {host} silent for {silent:.0f} s (last seen {p.phase}, {at}), "
-                f"over fault.step_timeout_s={self.fault.step_timeout_s:g}",
-                silent=True,
+        return Stuck(
+            host,
+            silent,
+            f"host {host} silent for {silent:.0f} s (last seen {p.phase}, {at}){bound}",
+            silent=True,
+        )
+
+    def _judge(self, host: int, p: HostProgress, now: float) -> Stuck | None:
+        at = f"last step {p.step}" if p.step else "no step yet"
+        if p.beating and now - p.seen > self.fault.step_timeout_s:
+            return self._silent(
+                host, p, now, f", over fault.step_timeout_s={self.fault.step_timeout_s:g}"
             )
         in_phase = now - p.phase_since
         if p.phase in STARTUP_PHASES:
@@ -296,7 +331,10 @@ class Watchdog:
         limit = getattr(self.fault, bound)
         if seconds <= limit:
             return None
-        return Stuck(host, seconds, f"host {host} {what}, over fault.{bound}={limit:g}", False)
+        # Its last beat told the phase, and it has said nothing since: frozen in it.
+        quiet = self._missed_beats(p, now)
+        who = f"host {host} silent for {now - p.seen:.0f} s, " if quiet else f"host {host} "
+        return Stuck(host, seconds, f"{who}{what}, over fault.{bound}={limit:g}", quiet)
 
     def not_stepping(self) -> list[tuple[int, str, float]]:
         """(host, phase, seconds in it) of each running host that is not training."""
@@ -380,7 +418,6 @@ class Coordinator:
             try:
                 return self._run_host_group()
             except HostFailure as failure:
-                detected = time.monotonic()
                 allowed = self.cfg.fault.max_restarts
                 if not failure.restartable or allowed == 0:
                     raise
@@ -388,9 +425,9 @@ class Coordinator:
                     raise HostFailure(
                         f"{failure}; no restart left (fault.max_restarts={allowed})"
                     ) from failure
-                self._prepare_restart(failure, detected)
+                self._prepare_restart(failure)
 
-    def _prepare_restart(self, failure: HostFailure, detected: float) -> None:
+    def _prepare_restart(self, failure: HostFailure) -> None:
         resume = newest_step(self.cfg.checkpoint) or 0
         reached = self.watchdog.furthest_step()
         self.restarts.append(
@@ -401,9 +438,11 @@ class Coordinator:
                 "steps_redone": max(reached - resume, 0),
                 # From the failed host's last report to the coordinator noticing.
                 "detection_seconds": failure.silent_s,
-                # From noticing to the fresh group's first step (set when it reports).
+                # From noticing (before the failed group is stopped) to the fresh group's
+                # first step, set when it reports; and when it reached each phase before.
                 "recovery_seconds": None,
-                "_detected": detected,
+                "recovery_phases": {"failed_group_stopped": time.monotonic() - failure.noticed},
+                "_detected": failure.noticed,
             }
         )
         self.metrics.rewind(resume)
@@ -475,7 +514,7 @@ class Coordinator:
 
         When a host dies, its peers fail moments later inside a collective; wait briefly for
         those so that the death, not the peers' connection errors, leads the message."""
-        silent_s = self.watchdog.silent_for(first)
+        silent_s, noticed = self.watchdog.silent_for(first), time.monotonic()
         ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
         failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
         failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
@@ -483,6 +522,7 @@ class Coordinator:
             "; then ".join(self._describe(h, e) for h, e in failures),
             restartable=isinstance(failures[0][1], RayActorError),
             silent_s=silent_s,
+            noticed=noticed,
         )
 
     def _describe(self, host: int, error: Exception) -> str:
@@ -560,6 +600,8 @@ class Coordinator:
 
     def _mark(self, phase: str) -> None:
         self.timings.setdefault(phase, time.perf_counter() - self._started)
+        if self.restarts and "_detected" in (last := self.restarts[-1]):
+            last["recovery_phases"].setdefault(phase, time.monotonic() - last["_detected"])
 
     def _summary(self, status: str, results: list[dict], error: BaseException | None = None):
         cfg, plan, records = self.cfg, self.plan, self.metrics.records
