@@ -156,9 +156,7 @@ def record_differences(
         (found.allowed if allowed else found.refused).append(line)
         if not allowed and key not in NOT_ALLOWABLE:
             found.refused_keys.append(key)
-    found.unknown_allowances = [
-        a for a in allow_changes if not any(k == a or k.startswith(a + ".") for k in keys)
-    ]
+    found.unknown_allowances = [a for a in allow_changes if not any(_allowed(k, [a]) for k in keys)]
     found.structural = _shape_differences("variables", saved.get("variables", {}), variables)
     if optimizer_variables is not None:
         found.structural += _shape_differences(
@@ -168,6 +166,8 @@ def record_differences(
 
 
 def _allowed(key: str, allow_changes: list[str]) -> bool:
+    """Whether an allowance covers `key`: itself, or a prefix (`optimizer` allows
+    `optimizer.learning_rate`)."""
     return any(key == a or key.startswith(a + ".") for a in allow_changes)
 
 

@@ -81,9 +81,9 @@ class EpochOrder:
 
     def rows(self, index: int, batch_size: int, rows: slice) -> np.ndarray:
         """Row ids of rows `rows` of batch `index`."""
-        positions = index * batch_size + np.arange(rows.start, rows.stop, dtype=np.int64)
         if not self.shuffle:
-            return positions % self.count
+            return batch_positions(index, batch_size, rows, self.count)
+        positions = index * batch_size + np.arange(rows.start, rows.stop, dtype=np.int64)
         epochs, offsets = np.divmod(positions, self.count)
         out = np.empty_like(positions)
         for epoch in np.unique(epochs):
@@ -127,9 +127,19 @@ def sampled_fingerprint(*parts: object, arrays: tuple[np.ndarray, ...] = (), blo
 
 def prior_cross_entropy(train_labels: np.ndarray, held_out_labels: np.ndarray, classes: int):
     """Held-out cross-entropy (nats) of the training label frequencies (add-one smoothed)."""
-    counts = np.bincount(train_labels.ravel(), minlength=classes) + 1.0
-    log_prior = np.log(counts / counts.sum())
-    return float(-log_prior[held_out_labels.ravel()].mean())
+    return prior_cross_entropy_of_counts(
+        np.bincount(train_labels.ravel(), minlength=classes),
+        np.bincount(held_out_labels.ravel(), minlength=classes),
+        classes,
+    )
+
+
+def prior_cross_entropy_of_counts(train: np.ndarray, held_out: np.ndarray, classes: int):
+    """The same from how often each label occurs in each split (labels read in chunks)."""
+    prior = np.ones(classes)
+    prior[: len(train)] += train
+    log_prior = np.log(prior / prior.sum())
+    return float(-(held_out * log_prior[: len(held_out)]).sum() / held_out.sum())
 
 
 def build_dataset(data_cfg: DataConfig) -> Dataset:

@@ -35,6 +35,7 @@ from training.data import (
     DataSpec,
     EpochOrder,
     in_file_order,
+    prior_cross_entropy_of_counts,
     sampled_fingerprint,
 )
 
@@ -271,13 +272,7 @@ class ArrayData:
                 f"data.num_classes={classes} but the labels go up to {found - 1} "
                 f"(data.path={cfg.path!r})"
             )
-        # The held-out cross-entropy of the add-one smoothed training label frequencies
-        # (prior_cross_entropy, from counts rather than every label at once).
-        prior = np.zeros(classes) + 1.0
-        prior[: len(counts["train"])] += counts["train"]
-        log_prior = np.log(prior / prior.sum())
-        held = counts["held_out"]
-        return classes, float(-(held * log_prior[: len(held)]).sum() / held.sum())
+        return classes, prior_cross_entropy_of_counts(counts["train"], counts["held_out"], classes)
 
     def _label_counts(self, split: str) -> np.ndarray:
         """How often each label occurs in a split, read a chunk at a time."""

@@ -86,10 +86,6 @@ def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
         return build_model(cfg, data_spec)
 
 
-def abstract_variables(cfg: ModelConfig, data_spec: DataSpec) -> list[VariableInfo]:
-    return [variable_info(v) for v in abstract_model(cfg, data_spec).variables]
-
-
 def variable_info(variable) -> VariableInfo:
     return VariableInfo(variable.path, tuple(variable.shape), str(variable.dtype))
 
