@@ -121,7 +121,7 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
                 f"layout leaves {len(replicated)} variable(s) above "
                 f"{SPLIT_THRESHOLD_BYTES // 1024} KiB whole on every device: "
                 + ", ".join(replicated)
-                + " (add a rule: ++strategy.layout_rules={'<path>':[null,model]})"
+                + " (add a rule: strategy.layout_rules={'<path>':[null,model]})"
             )
     if cost.examples_per_data_shard < hardware.min_examples_per_device:
         found.append(
