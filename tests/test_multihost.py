@@ -139,7 +139,9 @@ def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path, precis
         ),
     ],
 )
-def test_bad_input_fails_before_any_actor_starts(ray_cluster, tmp_path, overrides, message):
+def test_bad_input_fails_before_training_and_leaves_no_actor(
+    ray_cluster, tmp_path, overrides, message
+):
     with pytest.raises(ConfigError, match=message):
         run_training(run_config(FAST + overrides), tmp_path)
     assert_no_actor_left()
@@ -254,3 +256,20 @@ def test_transformer_under_hybrid_learns_what_data_parallel_does(ray_cluster, tm
     logged = (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()
     assert '"eval_loss"' in logged[-1] and '"eval_loss"' not in logged[0]
     assert_no_actor_left()
+
+
+def test_a_second_identical_run_loads_every_hosts_step_from_the_compile_cache(
+    ray_cluster, tmp_path
+):
+    """JAX's own cache serves process 0 only; the other hosts keep their own copy."""
+    overrides = [
+        "strategy=hybrid",
+        "mesh.data=2",
+        "mesh.model=4",
+        f"trainer.compile_cache_dir={tmp_path / 'cache'}",
+    ]
+    first = train(overrides, tmp_path / "first")
+    second = train(overrides, tmp_path / "second")
+    assert [h["compile_cache"] for h in first["per_host_compile"]] == ["miss", "miss"]
+    assert [h["compile_cache"] for h in second["per_host_compile"]] == ["hit", "hit"]
+    assert second["final_loss"] == pytest.approx(first["final_loss"], rel=1e-6)

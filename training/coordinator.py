@@ -101,41 +101,51 @@ class HostFailure(RuntimeError):
 class HostGroup:
     """One actor per host, gang-scheduled through a placement group."""
 
+    cluster: ClusterConfig
+    name: str
     placement: object
     actors: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, cluster: ClusterConfig, plan: Plan, notify: Callable[[str], None]) -> HostGroup:
+    def request(cls, cluster: ClusterConfig) -> HostGroup:
+        """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
+        actor once its host is placed, and the actor imports its libraries at once. So a
+        group requested early (during the driver's checks, or as a spare while another
+        group trains) is ready sooner when it is needed."""
         bundles = host_bundles(cluster)
         _check_local_gpus_offered(cluster, bundles)
-        strategy = placement_strategy(cluster)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
-        placement = placement_group(bundles, strategy=strategy, name=name)
-        group = cls(placement)
-        # Whatever stops the start (a timeout, Ctrl-C, SIGTERM) leaves no placement group
-        # or actor behind: on a shared cluster they would hold its devices.
+        placement = placement_group(bundles, strategy=placement_strategy(cluster), name=name)
+        group = cls(cluster, name, placement)
         try:
-            if not _wait_for_placement(placement, name, cluster.placement_timeout_s, notify):
-                raise ConfigError(
-                    f"the Ray cluster could not place {plan.hosts} hosts of {_describe(bundles)} "
-                    f"({strategy}) within cluster.placement_timeout_s="
-                    f"{cluster.placement_timeout_s:g}s; it has "
-                    f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
-                )
-            group._start_actors(cluster, plan, bundles)
+            group._start_actors(bundles)
         except BaseException:
             group.shutdown()
             raise
         return group
 
-    def _start_actors(self, cluster: ClusterConfig, plan: Plan, bundles: list[dict]) -> None:
+    def wait_placed(self, notify: Callable[[str], None]) -> None:
+        """Wait until every host is placed; a ConfigError after cluster.placement_timeout_s
+        (the caller shuts the group down, whatever stops the wait: on a shared cluster its
+        placement group and actors would hold devices)."""
+        cluster, bundles = self.cluster, host_bundles(self.cluster)
+        if not _wait_for_placement(self.placement, self.name, cluster.placement_timeout_s, notify):
+            raise ConfigError(
+                f"the Ray cluster could not place {cluster.hosts} hosts of {_describe(bundles)} "
+                f"({placement_strategy(cluster)}) within cluster.placement_timeout_s="
+                f"{cluster.placement_timeout_s:g}s; it has "
+                f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
+            )
+
+    def _start_actors(self, bundles: list[dict]) -> None:
+        cluster = self.cluster
         local_gpus = host_gpus(cluster) if cluster.name == "local" else None
         for host, bundle in enumerate(bundles):
             # Local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES; on a Ray cluster
             # Ray sets it from the `GPU` count the actor holds.
             env = host_environment(
                 cluster.platform,
-                plan.devices_per_host,
+                cluster.devices_per_host,
                 gpus=local_gpus[host] if local_gpus else None,
                 inherited=dict(os.environ) if cluster.name == "local" else {},
             )
@@ -148,7 +158,7 @@ class HostGroup:
                     self.placement, placement_group_bundle_index=host
                 ),
                 runtime_env={"env_vars": env},
-            ).remote(host, plan.hosts, cluster.platform)
+            ).remote(host, cluster.hosts, cluster.platform)
             self.actors.append(actor)
 
     def shutdown(self) -> None:
@@ -356,8 +366,19 @@ class Watchdog:
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, plan: Plan, output_dir: Path, display: ProgressDisplay):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan: Plan,
+        output_dir: Path,
+        display: ProgressDisplay,
+        first_group: HostGroup | None = None,
+    ):
+        """`first_group`: a host group already requested for this run (see `run_training`);
+        without one the run requests its own."""
         self.cfg, self.plan, self.output_dir, self.display = cfg, plan, output_dir, display
+        # The group the next host group start takes: the first, then a spare for a restart.
+        self.next_group = first_group
         self.metrics = MetricsLog(
             plan.hosts,
             output_dir / "metrics.jsonl",
@@ -390,6 +411,8 @@ class Coordinator:
             self.log.line(f"failed: {type(error).__name__}: {error}", show=False)
             raise
         finally:
+            if self.next_group is not None:
+                self.next_group.shutdown()
             self.metrics.close()
             self.log.close()
             self.scalars.close()
@@ -452,9 +475,10 @@ class Coordinator:
         )
 
     def _run_host_group(self) -> list[dict]:
-        group = HostGroup.start(self.cfg.cluster, self.plan, self._notify)
+        group, self.next_group = self.next_group or HostGroup.request(self.cfg.cluster), None
         inbox = Queue(actor_options={"num_cpus": 0})
         try:
+            group.wait_placed(self._notify)
             self._mark("hosts_placed")
             self.identities = self._from_starting_hosts([a.identity.remote() for a in group.actors])
             self._mark("actors_started")
@@ -548,6 +572,7 @@ class Coordinator:
         if event.get("step"):  # a beat or a logged step: some host finished its first step
             self._mark("first_step")
             self._mark_recovered()
+            self._request_spare()
         if kind == "joined" and host == 0:
             self._mark("jax_cluster_joined")
         elif kind == "ready":
@@ -575,6 +600,13 @@ class Coordinator:
                 self.display.logged(record)
                 self.scalars.write(record)
         self.display.advance_to(watchdog.slowest_step())
+
+    def _request_spare(self) -> None:
+        """While a group trains and a restart is left, a spare group waits with its processes
+        started and libraries imported: a restart then skips most of a host's start. Where
+        the cluster has no room for it, it is placed when the failed group leaves."""
+        if self.next_group is None and len(self.restarts) < self.cfg.fault.max_restarts:
+            self.next_group = HostGroup.request(self.cfg.cluster)
 
     def _mark_recovered(self) -> None:
         if self.restarts and self.restarts[-1]["recovery_seconds"] is None:

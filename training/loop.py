@@ -18,8 +18,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from training.compile_cache import compile_step
 
 # At most about this many steps are left in flight: XLA:CPU's collectives can abort when
 # hundreds of steps are queued without the host ever waiting (jax #25861).
@@ -76,8 +79,9 @@ class CompiledStep:
             for variable, value in zip(variables, values, strict=True):
                 variable.assign(value)
 
-    def compile(self, batch) -> float:
-        """Compile the micro-step for batches like `batch`; return the seconds it took."""
+    def compile(self, batch, cache: Path | None) -> float:
+        """Compile the micro-step for batches like `batch` (or load it from the compile
+        cache `cache`); return the seconds it took."""
         import jax
 
         started = time.perf_counter()
@@ -93,7 +97,8 @@ class CompiledStep:
         # The state is donated: updated in place. The carry (four scalars) is not, so that
         # `bound_in_flight` can wait on an older one.
         step = jax.jit(micro_step, donate_argnums=0, out_shardings=(shardings, self._replicated))
-        self._compiled = step.lower(self.state, self._metrics, self.carry, batch).compile()
+        lowered = step.lower(self.state, self._metrics, self.carry, batch)
+        self._compiled = compile_step(lowered, cache)
         return time.perf_counter() - started
 
     def __call__(self, batch) -> None:

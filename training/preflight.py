@@ -1,4 +1,5 @@
-"""Checks run on the driver before any actor starts: bad input fails here, cheaply and clearly."""
+"""Checks run on the driver before any host trains: bad input fails here, cheaply and clearly
+(while the hosts' actors start: see `training.run.run_training`)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 
 from training.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
-from training.coordinator import Coordinator, HostFailure  # noqa: E402
+from training.coordinator import Coordinator, HostFailure, HostGroup  # noqa: E402
 from training.display import ProgressDisplay, print_summary  # noqa: E402
 from training.preflight import check_sizes, preflight  # noqa: E402
 from training.sweep import objective  # noqa: E402
@@ -42,15 +42,22 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     console = console or Console()
     with sized_to_cluster(to_run_config(cfg)) as cfg:
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
-        # The rest of the checks (the data, the model built abstractly) run while Ray starts.
-        # Ray stays in the main thread: started from another one while JAX runs, its
-        # processes lose their connection to it.
+        # The rest of the checks (the data, the model built abstractly) run while Ray starts
+        # and the hosts' actors start and import their libraries; a failed check stops them
+        # before they do anything else. Ray stays in the main thread: started from another
+        # one while JAX runs, its processes lose their connection to it.
         with ThreadPoolExecutor(1, thread_name_prefix="preflight") as pool:
             checked = pool.submit(preflight, cfg)
             with ray_session(cfg.cluster):
-                plan = checked.result()
-                display = ProgressDisplay(cfg.trainer.steps, console)
-                summary = Coordinator(cfg, plan, output_dir, display).run()
+                hosts = HostGroup.request(cfg.cluster)
+                try:
+                    plan = checked.result()
+                    display = ProgressDisplay(cfg.trainer.steps, console)
+                    coordinator = Coordinator(cfg, plan, output_dir, display, hosts)
+                except BaseException:
+                    hosts.shutdown()
+                    raise
+                summary = coordinator.run()
     print_summary(summary, console)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
