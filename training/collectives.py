@@ -13,13 +13,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from training.dtypes import hlo_dtype_bytes
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-    "f32": 4, "s32": 4, "u32": 4,
-    "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ def sent_bytes(collectives: list[Collective]) -> float:
 _OP = re.compile(
     r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
 )
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
 
 
 def from_hlo(text: str, devices: int) -> list[Collective]:
@@ -77,9 +73,9 @@ def from_hlo(text: str, devices: int) -> list[Collective]:
 
 def _arrays(type_text: str) -> list[int]:
     return [
-        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        hlo_dtype_bytes(dtype) * math.prod(int(d) for d in dims.split(",") if d)
         for dtype, dims in _ARRAY.findall(type_text)
-        if dtype in DTYPE_BYTES
+        if hlo_dtype_bytes(dtype) is not None
     ]
 
 

@@ -17,13 +17,12 @@ from training import models
 from training.collectives import Collective, sent_bytes
 from training.config import PlanConfig, RunConfig
 from training.data import DataSpec
+from training.dtypes import dtype_bytes
 from training.models import LayoutRules, VariableInfo
 from training.optimizers import build_optimizer
 from training.strategy import MeshShape
 from training.tensor_parallel import model_axis_collectives
 from training.trainer import DTYPE_POLICIES
-
-VALUE_BYTES = {"float32": 4, "bfloat16": 2}  # activations, by trainer.precision
 
 
 @dataclass(frozen=True)
@@ -94,16 +93,12 @@ def _layer_output_bytes(model) -> int:
     for layer in model.layers:
         for output in keras.tree.flatten(layer.output):
             size = math.prod(d for d in output.shape[1:] if d is not None)
-            total += size * _dtype_bytes(str(output.dtype))
+            total += size * dtype_bytes(str(output.dtype))
     return total
 
 
 def variable_bytes(variable: VariableInfo) -> int:
-    return math.prod(variable.shape) * _dtype_bytes(variable.dtype)
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
+    return math.prod(variable.shape) * dtype_bytes(variable.dtype)
 
 
 def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
@@ -159,7 +154,7 @@ def strategy_cost(
     rows = examples // mesh.data
     trainable_bytes = sum(b for path, b in parameters.items() if path in model.trainable)
     gradients = Collective("all-reduce", trainable_bytes, mesh.data, "gradients")
-    value_bytes = VALUE_BYTES[cfg.trainer.precision]
+    value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
     tensor_parallel = model_axis_collectives(
         model.keras_model, rules, mesh.model, rows, value_bytes
     )
