@@ -1,5 +1,7 @@
 """Byte sizes of dtypes and the collectives read from compiled programs' HLO text."""
 
+from pathlib import Path
+
 import pytest
 
 from training.collectives import Collective, from_hlo
@@ -36,3 +38,20 @@ def test_a_float8_collective_is_read_at_one_byte_per_value():
         "channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true"
     )
     assert from_hlo(line, 8) == [Collective("all-gather", 8 * 128, 4, "%all-gather")]
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_asynchronous_gpu_collectives_are_each_counted_once_with_their_bytes():
+    found = from_hlo((FIXTURES / "gpu_async_collectives.hlo").read_text(), devices=8)
+    assert [(c.kind, c.bytes, c.group) for c in found] == [
+        ("reduce-scatter", 1024 * 4, 4),  # inside the async wrapper's computation
+        ("all-reduce", 4096 * 512 * 4, 8),
+        ("all-reduce", (512 + 4096) * 4 + 512 * 64 * 2, 8),  # three combined
+        ("all-gather", 512 * 64 * 2, 2),  # the result
+        ("all-gather", (512 + 1024) * 4, 8),  # two combined: their results
+        ("reduce-scatter", 4096 * 512 * 4, 8),  # the input
+        ("collective-permute", 128 * 32 * 4, 2),  # the operand, not the context
+        ("all-to-all", 512 * 64 * 2, 2),
+    ]
