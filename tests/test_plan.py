@@ -22,11 +22,17 @@ CASES = {
     "transformer-hybrid": ("hybrid", MeshShape(2, 4), TINY),
     "mlp-hybrid": ("hybrid", MeshShape(2, 4), ["model=mlp"]),
 }
+# Weights split over `data` as well as `model` (FSDP-like, as keras-hub's layouts split them).
+FSDP_RULES = (
+    r"strategy.layout_rules={block_\d+_up/kernel: [data, model], "
+    r"block_\d+_down/kernel: [model, data]}"
+)
+FSDP = {"mlp-fsdp": ("hybrid", MeshShape(2, 4), ["model=mlp", FSDP_RULES])}
 
 
 @functools.cache
 def predicted_and_measured(case: str):
-    strategy, mesh, overrides = CASES[case]
+    strategy, mesh, overrides = {**CASES, **FSDP}[case]
     cfg = run_config([f"strategy={strategy}"] + overrides)
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
     predicted = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
@@ -36,7 +42,7 @@ def predicted_and_measured(case: str):
         keras.distribution.set_distribution(None)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *FSDP])
 def test_predicted_memory_matches_the_live_arrays(case):
     predicted, measured = predicted_and_measured(case)
     assert predicted.parameter_bytes == pytest.approx(measured.parameter_bytes_per_device, 0.10)
@@ -48,6 +54,24 @@ def test_predicted_collective_bytes_match_the_compiled_step(case):
     predicted, measured = predicted_and_measured(case)
     assert measured.collectives, "a step on 8 devices must communicate"
     assert predicted.sent_bytes == pytest.approx(measured.sent_bytes, rel=0.10)
+
+
+def test_weights_split_over_data_are_gathered_and_their_gradients_reduced_whole():
+    predicted, measured = predicted_and_measured("mlp-fsdp")
+
+    def payload(found, kinds):  # over the data axis: groups of 2 (the model axis's are 4)
+        return sum(c.bytes for c in found if c.kind in kinds and c.group == 2)
+
+    # Forward: each such weight gathered over the data axis, as the model axis leaves it.
+    assert payload(measured.collectives, {"all-gather"}) == payload(
+        predicted.collectives, {"all-gather"}
+    )
+    # Backward: XLA:CPU all-reduces the whole gradients (with the replicated ones) and slices
+    # them; XLA:GPU's reduce-scatter creator pass makes that slice a reduce-scatter of the
+    # same payload, which the plan counts.
+    assert payload(measured.collectives, {"all-reduce"}) == pytest.approx(
+        payload(predicted.collectives, {"all-reduce", "reduce-scatter"}), rel=0.01
+    )
 
 
 def test_plan_cli_warns_about_a_split_that_wastes_devices():
@@ -83,3 +107,42 @@ def test_plan_of_a_data_parallel_run_that_fits_has_no_warning():
 def test_plan_needs_the_cluster_size():
     with pytest.raises(ConfigError, match="cluster.hosts is read from the running cluster"):
         make_plan(run_config(["cluster=ray"]))
+
+
+def fastest(overrides: list[str]) -> tuple[str, MeshShape]:
+    """The strategy and mesh the plan predicts the shortest step for, 2 hosts × 4 devices."""
+    cfg = run_config(["model=wide_mlp", "trainer.global_batch=16384", *overrides])
+    plan = make_plan(cfg)
+    best = min(plan.alternatives, key=lambda cost: cost.step_seconds(cfg.plan))
+    return best.strategy, best.mesh
+
+
+def test_hybrid_beats_data_parallel_over_a_slow_network_but_not_over_nvlink():
+    # Data parallel all-reduces every gradient across the hosts; hybrid (2×4) sends an
+    # eighth of that over the network and its activations over the hosts' fast links.
+    assert fastest(["plan.inter_host_gb_per_s=12"]) == ("hybrid", MeshShape(2, 4))
+    # All 8 devices on one NVLink host: the activations cost hybrid more than it saves.
+    assert fastest(["plan.devices_per_host=8"]) == ("data_parallel", MeshShape(8, 1))
+
+
+def test_collectives_are_costed_on_the_link_their_group_uses():
+    cfg = run_config(["model=wide_mlp", "plan.devices_per_host=4"])
+    model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    hybrid = strategy_cost(cfg, model, "hybrid", MeshShape(2, 4), 64)
+    assert hybrid.crosses_hosts("data") and not hybrid.crosses_hosts("model")
+    on_one_host = strategy_cost(cfg, model, "data_parallel", MeshShape(4, 1), 64)
+    assert not on_one_host.crosses_hosts("data")
+    model_parallel = strategy_cost(cfg, model, "model_parallel", MeshShape(1, 8), 64)
+    assert model_parallel.crosses_hosts("model")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plan.inter_host_gb_per_s=0", "plan.inter_host_gb_per_s must be > 0"),
+        ("plan.devices_per_host=0", "plan.devices_per_host=0: use a positive number"),
+    ],
+)
+def test_bad_plan_hardware_is_an_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_config([override])

@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from training import models
 from training.collectives import Collective, sent_bytes
-from training.config import PlanConfig, RunConfig
+from training.config import AUTO, PlanConfig, RunConfig
 from training.data import DataSpec
 from training.dtypes import dtype_bytes
 from training.models import LayoutRules, VariableInfo
@@ -109,10 +111,28 @@ def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
-    """Into how many pieces the layout cuts a variable (its first full-matching rule)."""
+    """Into how many pieces the layout cuts a variable."""
     sizes = {"data": mesh.data, "model": mesh.model, None: 1}
-    axes = next((axes for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
-    return math.prod(sizes[axis] for axis in axes)
+    return math.prod(sizes[axis] for axis in rule_axes(path, rules))
+
+
+def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
+    """The mesh axis (or None) per dimension of the first rule that full-matches `path`."""
+    return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
+
+
+def devices_per_host(cfg: RunConfig) -> int:
+    """Devices that share the fast link: `plan.devices_per_host`, else the cluster's."""
+    per_host = cfg.plan.devices_per_host
+    return cfg.cluster.devices_per_host if per_host == AUTO else per_host
+
+
+def spans_hosts(axis: str, mesh: MeshShape, per_host: int) -> bool:
+    """Whether a group along `axis` of the host-major device grid (`strategy.device_grid`)
+    holds devices of more than one host, so that its collectives cross the network."""
+    hosts = np.arange(mesh.devices).reshape(mesh.as_tuple()) // per_host
+    group = hosts[:, 0] if axis == "data" else hosts[0]
+    return len(set(group.tolist())) > 1
 
 
 @dataclass(frozen=True)
@@ -122,9 +142,15 @@ class StrategyCost:
     parameter_bytes: int  # per device
     optimizer_bytes: int
     activation_bytes: int
-    collectives: tuple[Collective, ...]
+    # The step's collectives by the mesh axis they run over, "data" and "model"
+    collectives_by_axis: dict[str, tuple[Collective, ...]]
+    devices_per_host: int
     examples_per_data_shard: int
     flops_per_device: float
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        return tuple(c for found in self.collectives_by_axis.values() for c in found)
 
     @property
     def sent_bytes(self) -> float:
@@ -135,9 +161,17 @@ class StrategyCost:
         return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
 
     def step_seconds(self, hardware: PlanConfig) -> float:
+        """Compute, then each axis's bytes over its link and a latency per collective (no
+        overlap of communication with compute)."""
         compute = self.flops_per_device / (hardware.device_tflops * 1e12)
-        transfer = self.sent_bytes / (hardware.link_gb_per_s * 1e9)
+        transfer = sum(
+            sent_bytes(list(found)) / (hardware.link_gb_per_s(self.crosses_hosts(axis)) * 1e9)
+            for axis, found in self.collectives_by_axis.items()
+        )
         return compute + transfer + len(self.collectives) * hardware.latency_us * 1e-6
+
+    def crosses_hosts(self, axis: str) -> bool:
+        return spans_hosts(axis, self.mesh, self.devices_per_host)
 
 
 def strategy_cost(
@@ -152,19 +186,41 @@ def strategy_cost(
     parameters = {v.path: per_device(v, v.path) for v in model.variables}
     optimizer = sum(per_device(v, owner or v.path) for v, owner in model.optimizer_variables)
     rows = examples // mesh.data
-    trainable_bytes = sum(b for path, b in parameters.items() if path in model.trainable)
-    gradients = Collective("all-reduce", trainable_bytes, mesh.data, "gradients")
     value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
-    tensor_parallel = model_axis_collectives(
-        model.keras_model, rules, mesh.model, rows, value_bytes
-    )
+    by_axis = {
+        "data": data_axis_collectives(model, parameters, rules, mesh),
+        "model": model_axis_collectives(model.keras_model, rules, mesh.model, rows, value_bytes),
+    }
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,
         parameter_bytes=sum(parameters.values()),
         optimizer_bytes=optimizer,
         activation_bytes=model.activation_bytes_per_example * rows,
-        collectives=tuple(c for c in [gradients, *tensor_parallel] if c.group > 1),
+        collectives_by_axis={
+            axis: tuple(c for c in found if c.group > 1) for axis, found in by_axis.items()
+        },
+        devices_per_host=devices_per_host(cfg),
         examples_per_data_shard=rows,
         flops_per_device=model.flops_per_example() * rows / mesh.model,
     )
+
+
+def data_axis_collectives(
+    model: AbstractModel, parameters: dict[str, int], rules: LayoutRules, mesh: MeshShape
+) -> list[Collective]:
+    """What the data axis sends for the trainable variables (`parameters`: bytes per device).
+
+    The gradients of variables whole on the data axis are all-reduced, together. A variable
+    the layout splits over `data` too (FSDP-like, as keras-hub's layouts do) is gathered
+    before use and its gradient reduce-scattered back: each of the tensor as the model axis
+    leaves it, its shard's bytes times mesh.data."""
+    trainable = [v.path for v in model.variables if v.path in model.trainable]
+    sharded = [path for path in trainable if "data" in rule_axes(path, rules)]
+    replicated = sum(parameters[path] for path in trainable if path not in sharded)
+    found = [Collective("all-reduce", replicated, mesh.data, "gradients")]
+    for path in sharded:
+        whole = parameters[path] * mesh.data
+        found.append(Collective("all-gather", whole, mesh.data, f"forward: {path}"))
+        found.append(Collective("reduce-scatter", whole, mesh.data, f"backward: {path} gradient"))
+    return found
