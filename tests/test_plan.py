@@ -11,9 +11,10 @@ import pytest
 from tests.conftest import run_config
 from tests.test_transformer import TINY
 from training.config import ConfigError
-from training.costs import abstract_model, strategy_cost
+from training.costs import abstract_model, activation_bytes_per_example, strategy_cost
 from training.data import build_dataset
 from training.measure import measure_step
+from training.models import mlp as mlp_module
 from training.plan import make_plan
 from training.strategy import MeshShape
 
@@ -146,3 +147,34 @@ def test_collectives_are_costed_on_the_link_their_group_uses():
 def test_bad_plan_hardware_is_an_error(override, message):
     with pytest.raises(ConfigError, match=message):
         run_config([override])
+
+
+def attention_model(queries=16, d_model=32, heads=4, head_dim=8):
+    tokens = keras.Input((queries, d_model), name="x")
+    attention = keras.layers.MultiHeadAttention(heads, head_dim, name="attention")
+    return keras.Model(tokens, attention(tokens, tokens))
+
+
+def test_activations_include_attention_scores_and_inner_projections():
+    model = attention_model()
+    hidden = 16 * 32  # the input and the output, each 16 positions × 32
+    projections = 4 * 16 * 4 * 8  # query, key, value, context: 16 positions × 4 heads × 8
+    scores = 2 * 4 * 16 * 16  # scores and softmax: 4 heads × 16 queries × 16 keys
+    expected = 4 * (2 * hidden + projections + scores)  # float32
+    assert activation_bytes_per_example(model, {}, mesh_model=1) == expected
+
+
+def test_activations_the_model_axis_splits_count_a_share_per_device():
+    model = attention_model()
+    by_heads = {r"attention/(query|key|value)/kernel": (None, "model", None)}
+    whole = activation_bytes_per_example(model, {}, mesh_model=4)
+    split = activation_bytes_per_example(model, by_heads, mesh_model=4)
+    inner = 4 * (4 * 16 * 4 * 8 + 2 * 4 * 16 * 16)
+    assert whole - split == inner * 3 / 4
+    mlp = mlp_module.build()
+    columns = {r"block_\d+_up/kernel": (None, "model")}
+    hidden = 2 * 256 * 4  # two blocks' up outputs: 256 float32 values each
+    assert (
+        activation_bytes_per_example(mlp, {}, 4) - activation_bytes_per_example(mlp, columns, 4)
+        == hidden * 3 / 4
+    )

@@ -36,7 +36,6 @@ class AbstractModel:
     # Each optimizer variable with the path of the parameter it shadows (and is laid out
     # like), or None for the optimizer's own scalars.
     optimizer_variables: tuple[tuple[VariableInfo, str | None], ...]
-    activation_bytes_per_example: int
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
     # The abstract keras.Model itself (no weights allocated): what the model axis must
     # communicate depends on the layout rules and mesh too, so it is derived from the layer
@@ -69,7 +68,6 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
         variables=tuple(models.variable_info(v) for v in model.variables),
         trainable=frozenset(v.path for v in model.trainable_variables),
         optimizer_variables=_shadowed(optimizer.variables, model.trainable_variables),
-        activation_bytes_per_example=_layer_output_bytes(model),
         positions_per_example=data_spec.positions_per_example,
         keras_model=model,
     )
@@ -87,16 +85,62 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
     return tuple(paired)
 
 
-def _layer_output_bytes(model) -> int:
-    """Bytes per example of every layer's output, what the backward pass keeps."""
+def activation_bytes_per_example(keras_model, rules: LayoutRules, mesh_model: int) -> float:
+    """Bytes per example of what the backward pass keeps: every layer's output and, inside
+    attention, the projected query, key and value, the scores and their softmax, and the
+    context. A tensor the model axis splits counts 1/mesh_model on a device."""
     import keras
 
-    total = 0
-    for layer in model.layers:
-        for output in keras.tree.flatten(layer.output):
-            size = math.prod(d for d in output.shape[1:] if d is not None)
-            total += size * dtype_bytes(str(output.dtype))
+    total = 0.0
+    for layer in keras_model.layers:
+        split = mesh_model if _splits_output(layer, rules) else 1
+        outputs = keras.tree.flatten(layer.output)
+        total += (
+            sum(_values_per_example(t.shape) * dtype_bytes(str(t.dtype)) for t in outputs) / split
+        )
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            split = mesh_model if _splits_heads(layer, rules) else 1
+            total += _attention_inner_bytes(layer) / split
     return total
+
+
+def _values_per_example(shape) -> int:
+    return math.prod(d for d in shape[1:] if d is not None)
+
+
+def _splits_output(layer, rules: LayoutRules) -> bool:
+    """Whether the layout leaves the layer's output split over `model`: an output rule says
+    so, or the layer's weight is split on the dimension it gives the output (a Dense kernel's
+    columns, an embedding table's hidden dimension)."""
+    import keras
+
+    output_rule = rule_axes(f"{layer.path}/output", rules)
+    if output_rule:
+        return "model" in output_rule
+    if isinstance(layer, keras.layers.Dense):
+        return rule_axes(layer.kernel.path, rules)[1:] == ("model",)
+    if isinstance(layer, keras.layers.Embedding):
+        return rule_axes(layer.embeddings.path, rules)[1:] == ("model",)
+    return False
+
+
+def _splits_heads(layer, rules: LayoutRules) -> bool:
+    """Whether attention runs split by heads: its query kernel (model dim, heads, head dim)
+    split on the heads, as the key and value kernels must be with it."""
+    return rule_axes(layer._query_dense.kernel.path, rules)[1:2] == ("model",)
+
+
+def _attention_inner_bytes(layer) -> int:
+    """MultiHeadAttention's tensors between its projections, per example: query and context
+    (queries × heads × head dim), key and value (keys × heads × head dim), the scores and
+    their softmax (heads × queries × keys)."""
+    shapes = layer._build_shapes_dict
+    queries = _values_per_example(shapes["query_shape"][:-1])
+    keys = _values_per_example(shapes.get("key_shape", shapes["value_shape"])[:-1])
+    heads, key_dim, value_dim = layer._num_heads, layer._key_dim, layer._value_dim
+    values = heads * (queries * key_dim + keys * key_dim + keys * value_dim + queries * value_dim)
+    values += 2 * heads * queries * keys
+    return values * dtype_bytes(layer.compute_dtype)
 
 
 def variable_bytes(variable: VariableInfo) -> int:
@@ -196,7 +240,9 @@ def strategy_cost(
         mesh=mesh,
         parameter_bytes=sum(parameters.values()),
         optimizer_bytes=optimizer,
-        activation_bytes=model.activation_bytes_per_example * rows,
+        activation_bytes=round(
+            activation_bytes_per_example(model.keras_model, rules, mesh.model) * rows
+        ),
         collectives_by_axis={
             axis: tuple(c for c in found if c.group > 1) for axis, found in by_axis.items()
         },
