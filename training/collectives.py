@@ -13,13 +13,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from training.dtypes import hlo_dtype_bytes
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-    "f32": 4, "s32": 4, "u32": 4,
-    "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,11 +46,12 @@ def sent_bytes(collectives: list[Collective]) -> float:
 _OP = re.compile(
     r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
 )
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
 
 
 def from_hlo(text: str, devices: int) -> list[Collective]:
-    """The collectives of a compiled program's HLO text (`compiled.as_text()`).
+    """The collectives of a compiled program's HLO text (`compiled.as_text()`), each once:
+    a synchronous op, or the start of an asynchronous one (its -done only waits).
 
     `devices`: the program's device count, the group of a collective with no replica groups.
     """
@@ -63,23 +60,41 @@ def from_hlo(text: str, devices: int) -> list[Collective]:
         match = _OP.search(line)
         if match is None:
             continue
-        kind, rest = match["kind"], match["rest"]
-        arrays = _arrays(match["type"])
-        if match["start"]:  # async form: the result tuple holds (operand, result)
-            arrays = arrays[-1:] if kind == "all-gather" else arrays[: max(1, len(arrays) // 2)]
-        group = _group_size(rest, devices)
-        payload = sum(arrays)
-        if kind == "reduce-scatter":
-            payload *= group
+        kind = match["kind"]
+        group = _group_size(match["rest"], devices)
+        payload = _payload(kind, match["type"], started=bool(match["start"]), group=group)
         found.append(Collective(kind, payload, group, line.split("=")[0].strip()))
     return found
 
 
+def _payload(kind: str, type_text: str, started: bool, group: int) -> int:
+    """The bytes `Collective.bytes` means, from the op's type. A synchronous op's type is its
+    result (a tuple of them when XLA combined several ops into one); so is an
+    all-reduce-start's. Every other start's type is (operands, results, context...)."""
+    if started and kind != "all-reduce":
+        operands, results = _tuple_elements(type_text)[:2]
+        return sum(_arrays(results if kind == "all-gather" else operands))
+    results = sum(_arrays(type_text))
+    return results * group if kind == "reduce-scatter" else results
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type: `((f32[4]), f32[2], u32[])` -> 3 elements."""
+    inner = type_text.strip()[1:-1]
+    elements, depth, start = [], 0, 0
+    for i, char in enumerate(inner):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            elements.append(inner[start:i])
+            start = i + 1
+    return [*elements, inner[start:]]
+
+
 def _arrays(type_text: str) -> list[int]:
     return [
-        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        hlo_dtype_bytes(dtype) * math.prod(int(d) for d in dims.split(",") if d)
         for dtype, dims in _ARRAY.findall(type_text)
-        if dtype in DTYPE_BYTES
+        if hlo_dtype_bytes(dtype) is not None
     ]
 
 

@@ -13,17 +13,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from training import models
 from training.collectives import Collective, sent_bytes
-from training.config import PlanConfig, RunConfig
+from training.config import AUTO, PlanConfig, RunConfig
 from training.data import DataSpec
+from training.dtypes import dtype_bytes
 from training.models import LayoutRules, VariableInfo
 from training.optimizers import build_optimizer
 from training.strategy import MeshShape
 from training.tensor_parallel import model_axis_collectives
 from training.trainer import DTYPE_POLICIES
-
-VALUE_BYTES = {"float32": 4, "bfloat16": 2}  # activations, by trainer.precision
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,6 @@ class AbstractModel:
     # Each optimizer variable with the path of the parameter it shadows (and is laid out
     # like), or None for the optimizer's own scalars.
     optimizer_variables: tuple[tuple[VariableInfo, str | None], ...]
-    activation_bytes_per_example: int
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
     # The abstract keras.Model itself (no weights allocated): what the model axis must
     # communicate depends on the layout rules and mesh too, so it is derived from the layer
@@ -68,7 +68,6 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
         variables=tuple(models.variable_info(v) for v in model.variables),
         trainable=frozenset(v.path for v in model.trainable_variables),
         optimizer_variables=_shadowed(optimizer.variables, model.trainable_variables),
-        activation_bytes_per_example=_layer_output_bytes(model),
         positions_per_example=data_spec.positions_per_example,
         keras_model=model,
     )
@@ -86,24 +85,66 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
     return tuple(paired)
 
 
-def _layer_output_bytes(model) -> int:
-    """Bytes per example of every layer's output, what the backward pass keeps."""
+def activation_bytes_per_example(keras_model, rules: LayoutRules, mesh_model: int) -> float:
+    """Bytes per example of what the backward pass keeps: every layer's output and, inside
+    attention, the projected query, key and value, the scores and their softmax, and the
+    context. A tensor the model axis splits counts 1/mesh_model on a device."""
     import keras
 
-    total = 0
-    for layer in model.layers:
-        for output in keras.tree.flatten(layer.output):
-            size = math.prod(d for d in output.shape[1:] if d is not None)
-            total += size * _dtype_bytes(str(output.dtype))
+    total = 0.0
+    for layer in keras_model.layers:
+        split = mesh_model if _splits_output(layer, rules) else 1
+        outputs = keras.tree.flatten(layer.output)
+        total += (
+            sum(_values_per_example(t.shape) * dtype_bytes(str(t.dtype)) for t in outputs) / split
+        )
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            split = mesh_model if _splits_heads(layer, rules) else 1
+            total += _attention_inner_bytes(layer) / split
     return total
 
 
+def _values_per_example(shape) -> int:
+    return math.prod(d for d in shape[1:] if d is not None)
+
+
+def _splits_output(layer, rules: LayoutRules) -> bool:
+    """Whether the layout leaves the layer's output split over `model`: an output rule says
+    so, or the layer's weight is split on the dimension it gives the output (a Dense kernel's
+    columns, an embedding table's hidden dimension)."""
+    import keras
+
+    output_rule = rule_axes(f"{layer.path}/output", rules)
+    if output_rule:
+        return "model" in output_rule
+    if isinstance(layer, keras.layers.Dense):
+        return rule_axes(layer.kernel.path, rules)[1:] == ("model",)
+    if isinstance(layer, keras.layers.Embedding):
+        return rule_axes(layer.embeddings.path, rules)[1:] == ("model",)
+    return False
+
+
+def _splits_heads(layer, rules: LayoutRules) -> bool:
+    """Whether attention runs split by heads: its query kernel (model dim, heads, head dim)
+    split on the heads, as the key and value kernels must be with it."""
+    return rule_axes(layer._query_dense.kernel.path, rules)[1:2] == ("model",)
+
+
+def _attention_inner_bytes(layer) -> int:
+    """MultiHeadAttention's tensors between its projections, per example: query and context
+    (queries × heads × head dim), key and value (keys × heads × head dim), the scores and
+    their softmax (heads × queries × keys)."""
+    shapes = layer._build_shapes_dict
+    queries = _values_per_example(shapes["query_shape"][:-1])
+    keys = _values_per_example(shapes.get("key_shape", shapes["value_shape"])[:-1])
+    heads, key_dim, value_dim = layer._num_heads, layer._key_dim, layer._value_dim
+    values = heads * (queries * key_dim + keys * key_dim + keys * value_dim + queries * value_dim)
+    values += 2 * heads * queries * keys
+    return values * dtype_bytes(layer.compute_dtype)
+
+
 def variable_bytes(variable: VariableInfo) -> int:
-    return math.prod(variable.shape) * _dtype_bytes(variable.dtype)
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
+    return math.prod(variable.shape) * dtype_bytes(variable.dtype)
 
 
 def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
@@ -114,10 +155,28 @@ def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
-    """Into how many pieces the layout cuts a variable (its first full-matching rule)."""
+    """Into how many pieces the layout cuts a variable."""
     sizes = {"data": mesh.data, "model": mesh.model, None: 1}
-    axes = next((axes for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
-    return math.prod(sizes[axis] for axis in axes)
+    return math.prod(sizes[axis] for axis in rule_axes(path, rules))
+
+
+def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
+    """The mesh axis (or None) per dimension of the first rule that full-matches `path`."""
+    return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
+
+
+def devices_per_host(cfg: RunConfig) -> int:
+    """Devices that share the fast link: `plan.devices_per_host`, else the cluster's."""
+    per_host = cfg.plan.devices_per_host
+    return cfg.cluster.devices_per_host if per_host == AUTO else per_host
+
+
+def spans_hosts(axis: str, mesh: MeshShape, per_host: int) -> bool:
+    """Whether a group along `axis` of the host-major device grid (`strategy.device_grid`)
+    holds devices of more than one host, so that its collectives cross the network."""
+    hosts = np.arange(mesh.devices).reshape(mesh.as_tuple()) // per_host
+    group = hosts[:, 0] if axis == "data" else hosts[0]
+    return len(set(group.tolist())) > 1
 
 
 @dataclass(frozen=True)
@@ -127,9 +186,15 @@ class StrategyCost:
     parameter_bytes: int  # per device
     optimizer_bytes: int
     activation_bytes: int
-    collectives: tuple[Collective, ...]
+    # The step's collectives by the mesh axis they run over, "data" and "model"
+    collectives_by_axis: dict[str, tuple[Collective, ...]]
+    devices_per_host: int
     examples_per_data_shard: int
     flops_per_device: float
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        return tuple(c for found in self.collectives_by_axis.values() for c in found)
 
     @property
     def sent_bytes(self) -> float:
@@ -140,9 +205,17 @@ class StrategyCost:
         return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
 
     def step_seconds(self, hardware: PlanConfig) -> float:
+        """Compute, then each axis's bytes over its link and a latency per collective (no
+        overlap of communication with compute)."""
         compute = self.flops_per_device / (hardware.device_tflops * 1e12)
-        transfer = self.sent_bytes / (hardware.link_gb_per_s * 1e9)
+        transfer = sum(
+            sent_bytes(list(found)) / (hardware.link_gb_per_s(self.crosses_hosts(axis)) * 1e9)
+            for axis, found in self.collectives_by_axis.items()
+        )
         return compute + transfer + len(self.collectives) * hardware.latency_us * 1e-6
+
+    def crosses_hosts(self, axis: str) -> bool:
+        return spans_hosts(axis, self.mesh, self.devices_per_host)
 
 
 def strategy_cost(
@@ -157,19 +230,43 @@ def strategy_cost(
     parameters = {v.path: per_device(v, v.path) for v in model.variables}
     optimizer = sum(per_device(v, owner or v.path) for v, owner in model.optimizer_variables)
     rows = examples // mesh.data
-    trainable_bytes = sum(b for path, b in parameters.items() if path in model.trainable)
-    gradients = Collective("all-reduce", trainable_bytes, mesh.data, "gradients")
-    value_bytes = VALUE_BYTES[cfg.trainer.precision]
-    tensor_parallel = model_axis_collectives(
-        model.keras_model, rules, mesh.model, rows, value_bytes
-    )
+    value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
+    by_axis = {
+        "data": data_axis_collectives(model, parameters, rules, mesh),
+        "model": model_axis_collectives(model.keras_model, rules, mesh.model, rows, value_bytes),
+    }
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,
         parameter_bytes=sum(parameters.values()),
         optimizer_bytes=optimizer,
-        activation_bytes=model.activation_bytes_per_example * rows,
-        collectives=tuple(c for c in [gradients, *tensor_parallel] if c.group > 1),
+        activation_bytes=round(
+            activation_bytes_per_example(model.keras_model, rules, mesh.model) * rows
+        ),
+        collectives_by_axis={
+            axis: tuple(c for c in found if c.group > 1) for axis, found in by_axis.items()
+        },
+        devices_per_host=devices_per_host(cfg),
         examples_per_data_shard=rows,
         flops_per_device=model.flops_per_example() * rows / mesh.model,
     )
+
+
+def data_axis_collectives(
+    model: AbstractModel, parameters: dict[str, int], rules: LayoutRules, mesh: MeshShape
+) -> list[Collective]:
+    """What the data axis sends for the trainable variables (`parameters`: bytes per device).
+
+    The gradients of variables whole on the data axis are all-reduced, together. A variable
+    the layout splits over `data` too (FSDP-like, as keras-hub's layouts do) is gathered
+    before use and its gradient reduce-scattered back: each of the tensor as the model axis
+    leaves it, its shard's bytes times mesh.data."""
+    trainable = [v.path for v in model.variables if v.path in model.trainable]
+    sharded = [path for path in trainable if "data" in rule_axes(path, rules)]
+    replicated = sum(parameters[path] for path in trainable if path not in sharded)
+    found = [Collective("all-reduce", replicated, mesh.data, "gradients")]
+    for path in sharded:
+        whole = parameters[path] * mesh.data
+        found.append(Collective("all-gather", whole, mesh.data, f"forward: {path}"))
+        found.append(Collective("reduce-scatter", whole, mesh.data, f"backward: {path} gradient"))
+    return found

@@ -4,8 +4,9 @@ Takes the same config and overrides as `training.run`, builds the model abstract
 weights, no cluster, no training) and prints, for every strategy and mesh the cluster
 allows: per-device parameter, optimizer and activation memory and the bytes each device
 sends per step; then, for the configured strategy, a predicted speedup on 1 to 8 devices
-from the bandwidth/latency model in the `plan` config section (`plan.link_gb_per_s=25`),
-and warnings about choices that waste devices.
+from the bandwidth/latency model in the `plan` config section (`plan.inter_host_gb_per_s=12`:
+each collective costed on the link its group uses, NVLink inside a host or the network
+between hosts), and warnings about choices that waste devices.
 """
 
 from __future__ import annotations
@@ -154,10 +155,22 @@ def _gb(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _network_axes(cost: StrategyCost) -> str:
+    found = cost.collectives_by_axis
+    return ",".join(axis for axis in found if found[axis] and cost.crosses_hosts(axis)) or "-"
+
+
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
-    table = Table(title="per device, per step (micro-batch)", title_justify="left")
-    for column in ("strategy", "data×model", "params", "optimizer", "activations", "sent", "ops"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+    # No borders and short headings: its 9 columns fit in 80 characters.
+    table = Table(
+        title="per device, per step (micro-batch)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    table.add_column("strategy", no_wrap=True)
+    for column in ("mesh", "params", "optim", "activ", "sent", "ops", "net", "step"):
+        table.add_column(column, justify="right", no_wrap=True)
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
         table.add_row(
@@ -168,16 +181,22 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
             _gb(cost.activation_bytes),
             _gb(cost.sent_bytes),
             str(len(cost.collectives)),
+            _network_axes(cost),
+            f"{cost.step_seconds(cfg.plan) * 1e3:.3g}ms",
         )
     console.print(table)
     console.print(
-        "* configured. activations: every layer's output for a data shard's batch; sent: "
-        "bytes each device sends in the step's collectives (ops) over ring links"
+        "* configured. mesh: data×model; optim: the optimizer's state; activ: the activations "
+        "the backward pass keeps for a data shard's batch; sent: bytes each device sends in the "
+        "step's collectives (ops) over ring links; net: the mesh axes whose collectives cross "
+        "hosts; step: the predicted time of a step"
     )
     hardware = cfg.plan
     console.print(
-        f"predicted speedup of {plan.configured.strategy} (link {hardware.link_gb_per_s:g} GB/s, "
-        f"latency {hardware.latency_us:g} µs, {hardware.device_tflops:g} TFLOP/s per device): "
+        f"predicted speedup of {plan.configured.strategy} ({hardware.intra_host_gb_per_s:g} GB/s "
+        f"inside a host of {plan.configured.devices_per_host}, {hardware.inter_host_gb_per_s:g} "
+        f"GB/s between hosts, latency {hardware.latency_us:g} µs, {hardware.device_tflops:g} "
+        "TFLOP/s per device): "
         + ", ".join(f"{n} devices {s:.3g}×" for n, s in plan.speedups.items()),
         markup=False,
     )

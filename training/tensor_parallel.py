@@ -39,6 +39,7 @@ import re
 import string
 
 from training.collectives import Collective
+from training.dtypes import dtype_bytes
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
@@ -110,7 +111,7 @@ def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.trainable_variables:
         if "model" in _axes(rules, variable.path):
-            size = math.prod(variable.shape) * _dtype_bytes(str(variable.dtype))
+            size = math.prod(variable.shape) * dtype_bytes(str(variable.dtype))
             found.append(Collective("all-gather", size, n, f"forward: {variable.path}"))
             found.append(Collective("reduce-scatter", size, n, f"backward: {variable.path}"))
     return found
@@ -122,10 +123,6 @@ def _axes(rules: Rules, path: str) -> tuple[str | None, ...]:
 
 def _split_dim(axes: tuple[str | None, ...]):
     return axes.index("model") if "model" in axes else REPLICATED
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
 
 
 class _Derivation:
@@ -335,7 +332,7 @@ class _Derivation:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
                 operands.append(_split_dim(_axes(self.rules, w.path)) - len(w.shape))
             else:
-                size = math.prod(w.shape) * _dtype_bytes(str(w.dtype))
+                size = math.prod(w.shape) * dtype_bytes(str(w.dtype))
                 self._add("all-gather", size, f"forward: {w.path}")
                 self._add("reduce-scatter", size, f"backward: {w.path} gradient")
         reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)

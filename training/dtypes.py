@@ -1,0 +1,31 @@
+"""Bytes of one value of a dtype, from numpy and ml_dtypes (bfloat16, the float8 and float4
+families), for dtypes named as Keras and numpy name them and as XLA's HLO text does."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+
+# HLO's element types: pred, s8, u32, f16, bf16, c64, f8e4m3fn, f4e2m1fn, ...
+_HLO_TYPE = re.compile(r"pred|bf16|([fsuc])(\d+)(e\d+m\d+\w*)?")
+_HLO_PREFIX = {"f": "float", "s": "int", "u": "uint", "c": "complex"}
+
+
+def dtype_bytes(name: str) -> int:
+    """`float32` 4, `bfloat16` 2, `float8_e4m3fn` 1, `int4` 1 (ml_dtypes stores it in a byte)."""
+    return np.dtype(getattr(ml_dtypes, name, name)).itemsize
+
+
+def hlo_dtype_bytes(name: str) -> int | None:
+    """The bytes of an HLO element type (`f32` 4, `f8e5m2` 1), None for what is not an array
+    element type (`token`)."""
+    match = _HLO_TYPE.fullmatch(name)
+    if match is None:
+        return None
+    if name in ("pred", "bf16"):
+        return dtype_bytes({"pred": "bool", "bf16": "bfloat16"}[name])
+    prefix, bits, fraction = match.groups()
+    numpy_name = f"{_HLO_PREFIX[prefix]}{bits}" + (f"_{fraction}" if fraction else "")
+    return dtype_bytes(numpy_name)
