@@ -35,7 +35,7 @@ def connect_ray(cluster: ClusterConfig) -> bool:
         # address="local" starts a fresh instance instead of joining a stale one.
         ray.init(
             address="local",
-            num_cpus=cluster.num_cpus or max(os.cpu_count() or 1, cluster.hosts),
+            num_cpus=cluster.num_cpus or local_cpus(cluster.hosts),
             num_gpus=len(gpus),
             resources=gpu_resources(gpus),
             include_dashboard=False,
@@ -158,6 +158,13 @@ def _host_kind(cluster: RayClusterConfig) -> str:
     if cluster.host_resource:
         return f"node carrying the resource {cluster.host_resource!r}"
     return f"node with {device_resource(cluster)}s"
+
+
+def local_cpus(hosts: int) -> int:
+    """The CPUs a local Ray instance offers by default: the machine's cores (at least one
+    per host), and room for a second group of hosts, the spare a restart takes over
+    (`fault.max_restarts`). A simulated host's CPU is a token for placement, not a core."""
+    return max(os.cpu_count() or 1, hosts) + hosts
 
 
 def host_bundles(cluster: ClusterConfig) -> list[dict[str, float]]:

@@ -280,7 +280,8 @@ class LocalClusterConfig:
     gpus: Optional[List[int]] = None
     placement_timeout_s: float = 60.0
     # CPUs the local Ray instance offers, one per host: room for this many hosts at once (a
-    # sweep's trials share them). None: this machine's cores.
+    # sweep's trials and a restart's spare group share them). None: this machine's cores,
+    # plus room for a spare group (training.cluster.local_cpus).
     num_cpus: Optional[int] = None
     # Not settable: every host shares this machine's one node.
     host_resource: ClassVar[Optional[str]] = None

@@ -523,7 +523,7 @@ class Coordinator:
                 for ref in finished:
                     result, error = _outcome(ref)
                     if error is not None:
-                        self._report_failures(calls, pending, calls[ref])
+                        self._report_failures(calls, pending, calls[ref], error)
                     results[calls[ref]] = result
                 self._drain(inbox, watchdog)
                 for host in results:
@@ -533,13 +533,16 @@ class Coordinator:
             self._drain(inbox, watchdog)
         return [results[h] for h in range(len(calls))]
 
-    def _report_failures(self, calls: dict, pending: list, first: int) -> None:
+    def _report_failures(self, calls: dict, pending: list, first: int, error: Exception) -> None:
         """Raise one HostFailure naming the root cause first.
 
-        When a host dies, its peers fail moments later inside a collective; wait briefly for
-        those so that the death, not the peers' connection errors, leads the message."""
+        When a host dies, its peers fail moments later inside a collective: after a peer's
+        error, wait briefly for the death, so that it, not the peers' connection errors,
+        leads the message. After a death, only gather the deaths of the same moment (a lost
+        node): the peers may take long to notice, and a restart waits for this."""
         silent_s, noticed = self.watchdog.silent_for(first), time.monotonic()
-        ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_SECONDS)
+        grace = POLL_SECONDS if isinstance(error, RayActorError) else FAILURE_GRACE_SECONDS
+        ray.wait(pending, num_returns=len(pending), timeout=grace)
         failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
         failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
         raise HostFailure(
