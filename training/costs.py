@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training import models
+from training.auto_layout import derive
 from training.collectives import Collective, sent_bytes
-from training.config import PlanConfig, RunConfig
+from training.config import AUTO_LAYOUT, PlanConfig, RunConfig
 from training.data import DataSpec
 from training.models import LayoutRules, VariableInfo
 from training.optimizers import build_optimizer
@@ -106,10 +107,15 @@ def _dtype_bytes(dtype: str) -> int:
     return max(1, int(re.sub(r"\D", "", dtype) or 32) // 8)
 
 
-def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
-    """Data parallel replicates every variable; the other strategies use the model's rules."""
+def layout_rules(
+    cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
+) -> LayoutRules:
+    """Data parallel replicates every variable; the other strategies use the model's rules,
+    or with strategy.layout=auto those derived from its structure for this mesh."""
     if strategy == "data_parallel":
         return {}
+    if cfg.strategy.layout == AUTO_LAYOUT:
+        return derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
     return models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules)
 
 
@@ -149,7 +155,7 @@ def strategy_cost(
     cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
 ) -> StrategyCost:
     """The cost on `mesh` of one step on `examples` examples (split over the data axis)."""
-    rules = layout_rules(cfg, strategy, mesh)
+    rules = layout_rules(cfg, strategy, mesh, model)
 
     def per_device(variable: VariableInfo, layout_path: str) -> int:
         return variable_bytes(variable) // split_ways(layout_path, rules, mesh)

@@ -20,6 +20,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from training.auto_layout import AutoLayout  # noqa: E402
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
 from training.costs import (  # noqa: E402
     AbstractModel,
@@ -44,6 +45,7 @@ class LaunchPlan:
     alternatives: list[StrategyCost]
     speedups: dict[int, float]
     warnings: list[str]
+    layout: AutoLayout | None = None  # strategy.layout=auto's rules for the configured mesh
 
 
 def make_plan(cfg: RunConfig) -> LaunchPlan:
@@ -67,6 +69,7 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         alternatives,
         predicted_speedups(cfg, model, configured),
         launch_warnings(cfg, model, configured),
+        checked.layout,
     )
 
 
@@ -139,7 +142,7 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
 
 
 def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
-    rules = layout_rules(cfg, cost.strategy, cost.mesh)
+    rules = layout_rules(cfg, cost.strategy, cost.mesh, model)
     return [
         f"{v.path} {list(v.shape)}"
         for v in model.variables
@@ -155,6 +158,8 @@ def _gb(n: float) -> str:
 
 
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
+    if plan.layout:
+        console.print(plan.layout.describe(), markup=False)
     table = Table(title="per device, per step (micro-batch)", title_justify="left")
     for column in ("strategy", "data×model", "params", "optimizer", "activations", "sent", "ops"):
         table.add_column(column, justify="left" if column == "strategy" else "right")

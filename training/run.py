@@ -31,7 +31,7 @@ from training.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.coordinator import Coordinator, HostFailure  # noqa: E402
 from training.display import ProgressDisplay, print_summary  # noqa: E402
-from training.preflight import check_sizes, preflight  # noqa: E402
+from training.preflight import check_sizes, preflight, with_layout  # noqa: E402
 from training.sweep import objective  # noqa: E402
 
 register_configs()
@@ -49,6 +49,9 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
             checked = pool.submit(preflight, cfg)
             with ray_session(cfg.cluster):
                 plan = checked.result()
+                if plan.layout:
+                    console.print(plan.layout.describe(), highlight=False, markup=False)
+                cfg = with_layout(cfg, plan)
                 display = ProgressDisplay(cfg.trainer.steps, console)
                 summary = Coordinator(cfg, plan, output_dir, display).run()
     print_summary(summary, console)

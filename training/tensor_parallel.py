@@ -294,9 +294,10 @@ class _Derivation:
         """An einsum of activations (no weight): operands split on one letter the output keeps
         (each device's heads) give an output split on it, with nothing sent."""
         operands, output = subscripts.replace(" ", "").split("->")
+        states = [self._whole_or_split(t, path) for t in ins]
         letters = {
             subs[state]
-            for subs, state in zip(operands.split(","), (self._whole_or_split(t, path) for t in ins))
+            for subs, state in zip(operands.split(","), states, strict=True)
             if state is not REPLICATED
         }
         if "..." in subscripts or len(letters) != 1 or next(iter(letters)) not in output:
