@@ -9,6 +9,11 @@ model axis) and against the plan's prediction. One process, 8 CPU devices; no ti
 the machine's load does not matter.
 
     python scripts/bench_comm.py [--overrides model.kwargs.layers=4 model.kwargs.d_model=256 ...]
+        [--layouts model auto]   # the model's own rules, strategy.layout=auto's, or both
+
+For the built-in transformer it also prints the bytes against the Megatron minimum (its model
+axis's collectives by Megatron's count, plus the data axis's gradient all-reduce); with both
+layouts, auto's bytes and memory against the model's own rules'.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import collections  # noqa: E402
 
 import keras  # noqa: E402
 
-from training.config import compose_run_config  # noqa: E402
+from training.collectives import Collective, sent_bytes  # noqa: E402
+from training.config import LAYOUTS, compose_run_config  # noqa: E402
 from training.costs import abstract_model, strategy_cost  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.measure import BENCH_TRANSFORMER, measure_step  # noqa: E402
+from training.models import transformer  # noqa: E402
 from training.strategy import MeshShape  # noqa: E402
 
 # A small transformer: every strategy compiles in well under a minute.
@@ -42,13 +49,14 @@ MESHES = {
 }
 
 
-def bench(strategy: str, mesh: MeshShape, overrides: list[str]) -> None:
-    cfg = compose_run_config([f"strategy={strategy}", *overrides])
+def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> tuple:
+    """(bytes sent, live parameter + optimizer bytes) per device of one step."""
+    cfg = compose_run_config([f"strategy={strategy}", f"strategy.layout={layout}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
     plan = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
     measured = measure_step(cfg, mesh)
     keras.distribution.set_distribution(None)
-    print(f"\n{strategy} mesh {mesh.data}×{mesh.model}")
+    print(f"\n{strategy} mesh {mesh.data}×{mesh.model}, strategy.layout={layout}")
     print(
         f"  sent per device per step: measured {measured.sent_bytes:,.0f} B, plan "
         f"{plan.sent_bytes:,.0f} B, ratio {measured.sent_bytes / plan.sent_bytes:.3f} "
@@ -69,16 +77,44 @@ def bench(strategy: str, mesh: MeshShape, overrides: list[str]) -> None:
         f"(ratio {live / ideal:.3f}, target <= 1.10), plan {predicted:,} B "
         f"(live / plan {live / predicted:.3f})"
     )
+    if cfg.model.build == transformer.__name__ + ":build":
+        minimum = transformer.megatron_minimum(
+            plan.examples_per_data_shard, 4, mesh.model, **cfg.model.kwargs
+        )
+        # every parameter split over the model axis, its gradient all-reduced over the data axis
+        gradients = Collective("all-reduce", whole.parameter_bytes / mesh.model, mesh.data)
+        megatron = sent_bytes([*minimum, gradients]) if mesh.model > 1 else plan.sent_bytes
+        print(
+            f"  against the Megatron minimum {megatron:,.0f} B: "
+            f"{measured.sent_bytes / megatron:.3f} (target <= 1.05)"
+        )
+    return measured.sent_bytes, live
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides")
     parser.add_argument("--strategies", nargs="*", default=list(MESHES), choices=list(MESHES))
+    parser.add_argument("--layouts", nargs="*", default=["model"], choices=list(LAYOUTS))
+    parser.add_argument(
+        "--small",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start from the small transformer (--no-small: the config's model)",
+    )
     args = parser.parse_args()
-    print(f"model: {' '.join(SMALL + args.overrides)}")
+    overrides = (SMALL if args.small else []) + args.overrides
+    print(f"model: {' '.join(overrides)}")
     for strategy in args.strategies:
-        bench(strategy, MESHES[strategy], SMALL + args.overrides)
+        found = {
+            layout: bench(strategy, MESHES[strategy], layout, overrides) for layout in args.layouts
+        }
+        if len(found) == 2 and MESHES[strategy].model > 1:
+            (own_sent, own_live), (auto_sent, auto_live) = found["model"], found["auto"]
+            print(
+                f"  auto against the model's own rules: sent {auto_sent / own_sent:.3f}, "
+                f"memory {auto_live / own_live:.3f} (target <= 1.10)"
+            )
 
 
 if __name__ == "__main__":

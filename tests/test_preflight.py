@@ -84,7 +84,7 @@ def test_variable_matched_by_two_rules_is_rejected():
         (["model=transformer", "data=text", "data.seq_len=64"], r"shape \[64\] but the model's"),
         (
             ["model=transformer", "data=text", "strategy=model_parallel", "model.kwargs.heads=4"],
-            r"block_0_attention/query/kernel \(size 4, shape \[128, 4, 32\]\) over mesh.model=8",
+            r"block_0_attention/qkv/kernel \(size 4, shape \[128, 3, 4, 32\]\) over mesh.model=8",
         ),
         (
             ["trainer.global_batch=64", "trainer.accumulate=16"],

@@ -70,9 +70,9 @@ def test_every_large_variable_is_split_over_the_model_axis(tied):
 
 def test_the_layout_gives_every_device_whole_attention_heads():
     model = build_under("hybrid", MeshShape(2, 4), TEXT)
-    query = model.get_layer("block_0_attention").query_dense.kernel.value
-    assert query.shape == (128, 8, 16)
-    assert query.addressable_shards[0].data.shape == (128, 2, 16)
+    qkv = model.get_layer("block_0_attention").qkv.kernel.value
+    assert qkv.shape == (128, 3, 8, 16)
+    assert qkv.addressable_shards[0].data.shape == (128, 3, 2, 16)
 
 
 def test_gradient_accumulation_learns_what_the_whole_batch_does():

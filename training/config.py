@@ -22,6 +22,11 @@ PRECISIONS = ("float32", "bfloat16")
 NAN_POLICIES = ("stop",)
 LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
 AUTO = -1  # a mesh axis of this size takes all remaining devices
+# strategy.layout: the model's own rules, or rules derived from its structure
+# (training.auto_layout).
+MODEL_LAYOUT = "model"
+AUTO_LAYOUT = "auto"
+LAYOUTS = (MODEL_LAYOUT, AUTO_LAYOUT)
 
 
 class ConfigError(ValueError):
@@ -46,11 +51,20 @@ class StrategyConfig:
     # command-line dict replaces it rather than adding keys to a struct (and `Any`, since
     # omegaconf cannot merge a dict into a None typed as a dict); checked in __post_init__.
     layout_rules: Any = None
+    # Where the rules come from: `model` (model.layout and model.layout_rules) or `auto`
+    # (derived on the driver from the model's structure, printed, and sent to the hosts as
+    # model.layout_rules). strategy.layout_rules override either.
+    layout: str = MODEL_LAYOUT
 
     def __post_init__(self) -> None:
         _require(
             self.name in STRATEGIES,
             f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}",
+        )
+        _require(
+            self.layout in LAYOUTS,
+            f"strategy.layout={self.layout!r} is not one of {', '.join(LAYOUTS)} (the model's "
+            "own rules, or rules derived from its structure)",
         )
         self.layout_rules = checked_layout_rules("strategy.layout_rules", self.layout_rules)
 

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from training import models
+from training.auto_layout import derive
 from training.collectives import Collective, sent_bytes
-from training.config import AUTO, PlanConfig, RunConfig
+from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.data import DataSpec
 from training.dtypes import dtype_bytes
 from training.models import LayoutRules, VariableInfo
@@ -147,10 +148,15 @@ def variable_bytes(variable: VariableInfo) -> int:
     return math.prod(variable.shape) * dtype_bytes(variable.dtype)
 
 
-def layout_rules(cfg: RunConfig, strategy: str, mesh: MeshShape) -> LayoutRules:
-    """Data parallel replicates every variable; the other strategies use the model's rules."""
+def layout_rules(
+    cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
+) -> LayoutRules:
+    """Data parallel replicates every variable; the other strategies use the model's rules,
+    or with strategy.layout=auto those derived from its structure for this mesh."""
     if strategy == "data_parallel":
         return {}
+    if cfg.strategy.layout == AUTO_LAYOUT:
+        return derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
     return models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules)
 
 
@@ -222,7 +228,7 @@ def strategy_cost(
     cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
 ) -> StrategyCost:
     """The cost on `mesh` of one step on `examples` examples (split over the data axis)."""
-    rules = layout_rules(cfg, strategy, mesh)
+    rules = layout_rules(cfg, strategy, mesh, model)
 
     def per_device(variable: VariableInfo, layout_path: str) -> int:
         return variable_bytes(variable) // split_ways(layout_path, rules, mesh)

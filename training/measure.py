@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training import collectives
+from training.auto_layout import derive_for_config, settled, uses_auto_layout
 from training.config import RunConfig
 from training.strategy import MeshShape, device_grid
 from training.trainer import build_on_grid, describe_variables
@@ -40,6 +41,8 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     optimizer's variables), then compile the step as Keras does and read its collectives."""
     import jax
 
+    if uses_auto_layout(cfg):  # as the driver settles it before the hosts start
+        cfg = settled(cfg, derive_for_config(cfg, mesh.model))
     grid = device_grid(jax.devices(), mesh)
     model, dataset = build_on_grid(cfg, grid)
     batch = cfg.trainer.micro_batch

@@ -21,6 +21,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from training.auto_layout import AutoLayout  # noqa: E402
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
 from training.costs import (  # noqa: E402
     AbstractModel,
@@ -45,6 +46,7 @@ class LaunchPlan:
     alternatives: list[StrategyCost]
     speedups: dict[int, float]
     warnings: list[str]
+    layout: AutoLayout | None = None  # strategy.layout=auto's rules for the configured mesh
 
 
 def make_plan(cfg: RunConfig) -> LaunchPlan:
@@ -68,6 +70,7 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         alternatives,
         predicted_speedups(cfg, model, configured),
         launch_warnings(cfg, model, configured),
+        checked.layout,
     )
 
 
@@ -140,7 +143,7 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
 
 
 def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
-    rules = layout_rules(cfg, cost.strategy, cost.mesh)
+    rules = layout_rules(cfg, cost.strategy, cost.mesh, model)
     return [
         f"{v.path} {list(v.shape)}"
         for v in model.variables
@@ -161,6 +164,8 @@ def _network_axes(cost: StrategyCost) -> str:
 
 
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
+    if plan.layout:
+        console.print(plan.layout.describe(), markup=False)
     # No borders and short headings: its 9 columns fit in 80 characters.
     table = Table(
         title="per device, per step (micro-batch)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from training import models
+from training import auto_layout, models
 from training.checkpoint import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.data import Dataset, DataSpec, build_dataset
@@ -25,6 +25,7 @@ class Plan:
     # The driver's copy of the data, whose order says which examples each host must feed.
     dataset: Dataset = field(repr=False, compare=False)
     resume_step: int | None = None  # the newest checkpoint's, when checkpoint.dir has one
+    layout: auto_layout.AutoLayout | None = None  # the rules derived for strategy.layout=auto
 
     @property
     def data_spec(self) -> DataSpec:
@@ -48,7 +49,11 @@ def preflight(cfg: RunConfig) -> Plan:
     model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
     variables = [models.variable_info(v) for v in model.variables]
-    if cfg.strategy.name != "data_parallel":
+    layout = None
+    if auto_layout.uses_auto_layout(cfg):
+        layout = auto_layout.derive(model, mesh.model, cfg.strategy.layout_rules)
+        check_layout_rules(layout.rules, variables, mesh)
+    elif cfg.strategy.name != "data_parallel":
         check_layout_rules(
             models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules),
             variables,
@@ -59,7 +64,13 @@ def preflight(cfg: RunConfig) -> Plan:
         if cfg.checkpoint.enabled
         else None
     )
-    return Plan(mesh, hosts, per_host, tuple(variables), dataset, resume_step)
+    return Plan(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout)
+
+
+def with_layout(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """The config the hosts get: with strategy.layout=auto, the rules derived here as the
+    model's own (so no host derives them)."""
+    return auto_layout.settled(cfg, plan.layout) if plan.layout else cfg
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:

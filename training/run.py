@@ -31,7 +31,7 @@ from training.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.coordinator import Coordinator, HostFailure, HostGroup  # noqa: E402
 from training.display import ProgressDisplay, print_summary  # noqa: E402
-from training.preflight import check_sizes, preflight  # noqa: E402
+from training.preflight import check_sizes, preflight, with_layout  # noqa: E402
 from training.sweep import objective  # noqa: E402
 
 register_configs()
@@ -52,6 +52,9 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 hosts = HostGroup.request(cfg.cluster)
                 try:
                     plan = checked.result()
+                    if plan.layout:
+                        console.print(plan.layout.describe(), highlight=False, markup=False)
+                    cfg = with_layout(cfg, plan)
                     display = ProgressDisplay(cfg.trainer.steps, console)
                     coordinator = Coordinator(cfg, plan, output_dir, display, hosts)
                 except BaseException:

@@ -14,6 +14,10 @@ collective that makes an input so, or that its backward pass needs, is counted:
   gradient is then a partial sum: one all-reduce of the input, backward, per such consumer
   (XLA reduces each consumer's gradient separately: attention's query, key and value cost
   three, not the one of the Megatron minimum);
+- a layer of the user's own made of layers (a keras-hub decoder block, the transformer's fused
+  attention) is followed through its `call`, run on symbolic inputs; inside it, an einsum of
+  activations all split on one dimension it keeps (attention within each device's heads) keeps
+  it split, and unstacking along another dimension keeps it split;
 - an embedding lookup in a table split over the vocabulary is a partial sum (all-reduce of its
   output); split over the hidden dimension, it gives split activations;
 - an elementwise op between split and replicated values (a hidden-split position table added
@@ -107,6 +111,28 @@ def _traced(model):
     return None
 
 
+def _call_graph(layer, node):
+    """A layer's own graph: its `call` run again on fresh symbolic copies of the node's
+    arguments records a node per inner layer and keras.ops call. None if it cannot run so."""
+    import keras
+    from keras.src.ops.function import Function
+
+    def fresh(value):
+        if isinstance(value, keras.KerasTensor):
+            return keras.KerasTensor(value.shape, dtype=value.dtype)
+        return value
+
+    args = keras.tree.map_structure(fresh, node.arguments.args)
+    kwargs = keras.tree.map_structure(fresh, node.arguments.kwargs)
+    inputs = [t for t in keras.tree.flatten((args, kwargs)) if isinstance(t, keras.KerasTensor)]
+    try:
+        with keras.StatelessScope():
+            outputs = layer.call(*args, **kwargs)
+        return _graph(Function(inputs, outputs))
+    except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
+        return None
+
+
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.trainable_variables:
@@ -191,10 +217,26 @@ class _Derivation:
             state = target
         self.state[id(tensor)] = state
 
+    # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
+
+    def _kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
+        """A contraction's kernel, given the letter its input is split on (None: whole)."""
+        return _axes(self.rules, kernel.path)
+
+    def _table_axes(self, table):
+        """An embedding table looked up by token ids."""
+        return _axes(self.rules, table.path)
+
+    def _weight_axes(self, weight):
+        """A weight of a layer with no known contraction."""
+        return _axes(self.rules, weight.path)
+
     # -- layers -------------------------------------------------------------------------------
 
     def _node(self, node) -> None:
         import keras
+        from keras.src.ops.core import Unstack
+        from keras.src.ops.numpy import Einsum
 
         layer = node.operation
         args, kwargs = node.arguments.args, node.arguments.kwargs
@@ -223,25 +265,69 @@ class _Derivation:
         elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
             self._embedding(layer, ins[0], outs[0], path)
         elif hasattr(layer, "_nodes_by_depth"):  # a functional model used as a layer
-            inner_inputs, inner_outputs, inner_nodes = _graph(layer)
-            for outer, inner in zip(ins, inner_inputs, strict=False):
-                self.state[id(inner)] = self._get(outer)
-            for inner_node in inner_nodes:
-                self._node(inner_node)
-            for outer, inner in zip(outs, inner_outputs, strict=False):
-                self._set_output(path, outer, self._get(inner))
+            self._inner(_graph(layer), ins, outs, path)
+        elif getattr(layer, "_layers", None) and (inner := _call_graph(layer, node)) is not None:
+            self._inner(inner, ins, outs, path)
+        elif isinstance(layer, Einsum):
+            self._einsum_op(layer.subscripts, ins, outs[0], path)
+        elif isinstance(layer, Unstack):
+            self._unstack(layer.axis, ins[0], outs, path)
         else:
             self._generic(layer, ins, outs, path)
+
+    def _inner(self, graph, ins, outs, path: str) -> None:
+        """Follow a layer's own graph: its inputs' states in, its outputs' states out."""
+        inner_inputs, inner_outputs, inner_nodes = graph
+        for outer, inner in zip(ins, inner_inputs, strict=False):
+            self.state[id(inner)] = self._get(outer)
+            if id(outer) in self.differentiated:
+                self.differentiated.add(id(inner))
+        for inner_node in inner_nodes:
+            self._node(inner_node)
+        for outer, inner in zip(outs, inner_outputs, strict=False):
+            self._set_output(path, outer, self._get(inner))
+
+    def _einsum_op(self, subscripts: str, ins, y, path: str) -> None:
+        """An einsum of activations (no weight): operands split on one letter the output keeps
+        (each device's heads) give an output split on it, with nothing sent."""
+        operands, output = subscripts.replace(" ", "").split("->")
+        states = [self._whole_or_split(t, path) for t in ins]
+        letters = {
+            subs[state]
+            for subs, state in zip(operands.split(","), states, strict=True)
+            if state is not REPLICATED
+        }
+        if "..." in subscripts or len(letters) != 1 or next(iter(letters)) not in output:
+            self._generic(None, ins, [y], path)
+            return
+        letter = letters.pop()
+        for subs, t in zip(operands.split(","), ins, strict=True):
+            if self._get(t) is REPLICATED and id(t) in self.differentiated:
+                # a whole operand is sliced locally; its gradient comes back split or partial
+                kind = "all-gather" if letter in subs else "all-reduce"
+                self._add(kind, self._bytes(t), f"backward: {path} input gradient")
+        self._set_output(path, y, output.index(letter))
+
+    def _unstack(self, axis: int, x, outs, path: str) -> None:
+        axis %= len(x.shape)
+        state = self._whole_or_split(x, path)
+        if state == axis:
+            self._whole(x, path)
+            state = REPLICATED
+        if state is not REPLICATED and state > axis:
+            state -= 1
+        for t in outs:
+            self._set_output(path, t, state)
 
     def _einsum(self, equation: str, x, kernel, y, path: str):
         """A contraction of `x` with `kernel` into `y`; returns y's state."""
         equation = _expand_ellipsis(equation, len(x.shape), len(y.shape))
         x_subs, rest = equation.split(",")
         k_subs, y_subs = rest.split("->")
-        split = _split_dim(_axes(self.rules, kernel.path))
-        letter = k_subs[split] if split is not REPLICATED else None
         state = self._whole_or_split(x, path)
         x_letter = x_subs[state] if state is not REPLICATED else None
+        split = _split_dim(self._kernel_axes(kernel, k_subs, x_letter, y_subs))
+        letter = k_subs[split] if split is not REPLICATED else None
         if letter is None:
             if x_letter is None:
                 return REPLICATED
@@ -272,18 +358,22 @@ class _Derivation:
         return y_subs.index(letter)
 
     def _embedding(self, layer, x, y, path: str) -> None:
-        table = _axes(self.rules, layer.embeddings.path)
         if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
-            split = _split_dim(table)
+            split = _split_dim(self._table_axes(layer.embeddings))
             state = {REPLICATED: REPLICATED, 0: PARTIAL, 1: len(y.shape) - 1}[split]
             self._whole(x, path)
             self._set_output(path, y, state)
-        else:  # hidden states times the transposed table: a tied output head
-            rank = len(x.shape)
-            letters = string.ascii_lowercase[:rank]
-            equation = f"{letters},z{letters[-1]}->{letters[:-1]}z"
-            state = self._einsum(equation, x, layer.embeddings, y, path)
-            self._set_output(path, y, state)
+            return
+        # Hidden states times the transposed table (a tied output head), or times keras-hub's
+        # untied (hidden, vocabulary) `reverse_embeddings`.
+        letters = string.ascii_lowercase[: len(x.shape)]
+        table = getattr(layer, "reverse_embeddings", None)
+        if table is None or getattr(layer, "tie_weights", True):
+            table, kernel_subs = layer.embeddings, f"z{letters[-1]}"
+        else:
+            kernel_subs = f"{letters[-1]}z"
+        equation = f"{letters},{kernel_subs}->{letters[:-1]}z"
+        self._set_output(path, y, self._einsum(equation, x, table, y, path))
 
     def _attention(self, layer, query, value, key, y) -> None:
         import keras
@@ -317,8 +407,8 @@ class _Derivation:
         """A layer or op with no known contraction: elementwise, a norm, a reshape, or a layer
         of the user's own whose weights, if split, are treated as elementwise operands when
         their shape broadcasts to the output's, else gathered."""
-        weights = [w for w in getattr(layer, "trainable_weights", []) if w is not None]
-        split_weights = [w for w in weights if "model" in _axes(self.rules, w.path)]
+        weights = [w for w in getattr(layer, "trainable_weights", None) or [] if w is not None]
+        split_weights = [w for w in weights if "model" in self._weight_axes(w)]
         shapes = {tuple(t.shape) for t in outs}
         elementwise = len(shapes) == 1 and all(
             _broadcasts(t.shape, next(iter(shapes))) for t in ins
@@ -330,7 +420,7 @@ class _Derivation:
                 operands.append(state - len(t.shape))
         for w in split_weights:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
-                operands.append(_split_dim(_axes(self.rules, w.path)) - len(w.shape))
+                operands.append(_split_dim(self._weight_axes(w)) - len(w.shape))
             else:
                 size = math.prod(w.shape) * dtype_bytes(str(w.dtype))
                 self._add("all-gather", size, f"forward: {w.path}")
@@ -345,7 +435,13 @@ class _Derivation:
         out_state = REPLICATED
         if operands:
             dims = set(operands)
-            whole_inputs = sum(state is REPLICATED for state in states)
+            # A whole operand broadcast along the split dimension (a mask, a scale) is no
+            # whole operand: nothing of it varies along that dimension.
+            whole_inputs = sum(
+                state is REPLICATED and _spans(t.shape, dim)
+                for t, state in zip(ins, states, strict=True)
+                for dim in dims
+            )
             if len(dims) > 1 or whole_inputs:
                 # split and whole operands: computed split, then the result gathered
                 for t in outs:
@@ -365,18 +461,31 @@ def _size(shape) -> int:
     return math.prod(d for d in shape if d is not None)
 
 
+def _spans(shape, dim: int) -> bool:
+    """Whether a tensor has dimension `dim` (counted from the last) larger than 1."""
+    return len(shape) >= -dim and (shape[dim] is None or shape[dim] > 1)
+
+
 def _broadcasts(shape, target) -> bool:
     if len(shape) > len(target):
         return False
-    return all(a in (1, b) or a == b for a, b in zip(shape[::-1], target[::-1], strict=False))
+    return all(
+        a in (1, b) or None in (a, b) for a, b in zip(shape[::-1], target[::-1], strict=False)
+    )
 
 
 def _reduced_dims(layer, rank: int) -> set[int]:
     """Dimensions (counted from the last, -1) a normalization or softmax reduces over: a split
     there is gathered first. Positive axes are taken as counted from the first."""
     import keras
+    from keras.src.ops.nn import Softmax as SoftmaxOp
 
-    kinds = (keras.layers.LayerNormalization, keras.layers.Softmax, keras.layers.RMSNormalization)
+    kinds = (
+        keras.layers.LayerNormalization,
+        keras.layers.Softmax,
+        keras.layers.RMSNormalization,
+        SoftmaxOp,
+    )
     if not isinstance(layer, kinds):
         return set()
     axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]

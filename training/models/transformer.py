@@ -4,9 +4,10 @@ Pre-norm blocks of causal multi-head self-attention and a GELU MLP, learned posi
 output head that is its own (vocabulary, d_model) table or the token embedding reused
 (`tie_embeddings`); either way it maps hidden states to logits as the embedding reversed.
 
-Splitting: query/key/value kernels by heads and the MLP's up kernel by columns, so each device
-computes whole heads and its slice of the hidden activation; the attention output and MLP down
-kernels by rows, so each block needs one all-reduce after attention and one after the MLP. The
+Splitting: the fused query/key/value kernel by heads and the MLP's up kernel by columns, so each
+device computes whole heads and its slice of the hidden activation; the attention output and MLP
+down kernels by rows, so each block needs one all-reduce after attention and one after the MLP
+(and, backward, one for each of their inputs' gradients: the Megatron minimum). The
 embeddings and the head split along the vocabulary, the positions along the hidden dimension.
 Norms and the biases added after an all-reduce stay replicated: they are vectors of d_model
 values.
@@ -17,11 +18,13 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from training.collectives import Collective
+
 RULES = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
     r"position_embedding/embeddings": (None, "model"),
-    r"block_\d+_attention/(query|key|value)/kernel": (None, "model", None),
-    r"block_\d+_attention/(query|key|value)/bias": ("model", None),
+    r"block_\d+_attention/qkv/kernel": (None, None, "model", None),
+    r"block_\d+_attention/qkv/bias": (None, "model", None),
     r"block_\d+_attention/attention_output/kernel": ("model", None, None),
     r"block_\d+_mlp_up/kernel": (None, "model"),
     r"block_\d+_mlp_up/bias": ("model",),
@@ -35,6 +38,21 @@ RULES = {
     r"block_\d+_mlp_up/output": ("data", None, "model"),
     r"(block_\d+_\w+|final)_norm/output": ("data", None, None),
 }
+
+
+def megatron_minimum(
+    examples: int, value_bytes: int, n: int, layers: int, d_model: int, seq_len: int, **_
+) -> list[Collective]:
+    """What RULES must send over a model group of `n` devices in one step on `examples`
+    sequences (Megatron's count): per block one all-reduce of the hidden state after attention
+    and one after the MLP, and one of each of their inputs' gradients; the embedding's
+    all-reduce and the output head's input gradient; the softmax's maximum and sum of
+    exponentials over the split vocabulary; and the position table gathered."""
+    tokens = examples * seq_len
+    hidden = Collective("all-reduce", tokens * d_model * value_bytes, n, "hidden state")
+    softmax = Collective("all-reduce", tokens * 4, n, "softmax")
+    positions = Collective("all-gather", seq_len * d_model * 4, n, "position table")
+    return [hidden] * (4 * layers + 2) + [softmax] * 2 + [positions]
 
 
 def init() -> keras.initializers.Initializer:
@@ -79,11 +97,48 @@ class PositionEmbedding(keras.layers.Layer):
         return inputs + ops.cast(self.embeddings, inputs.dtype)
 
 
+class CausalSelfAttention(keras.layers.Layer):
+    """Multi-head causal self-attention whose query, key and value come from one fused
+    projection, (d_model) -> (3, heads, head_dim). Split by heads, the gradient of the
+    attention's input is then one contraction and one all-reduce; with three projections (as
+    keras.layers.MultiHeadAttention has) XLA all-reduces each projection's share apart."""
+
+    def __init__(self, heads: int, head_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = heads
+        self.head_dim = head_dim
+
+    def build(self, input_shape):
+        self.qkv = keras.layers.EinsumDense(
+            "btd,dsnh->btsnh",
+            output_shape=(input_shape[1], 3, self.heads, self.head_dim),
+            bias_axes="snh",
+            kernel_initializer=init(),
+            name="qkv",
+        )
+        self.qkv.build(input_shape)
+        self.attention_output = keras.layers.EinsumDense(
+            "btnh,nhd->btd",
+            output_shape=(input_shape[1], input_shape[-1]),
+            bias_axes="d",
+            kernel_initializer=init(),
+            name="attention_output",
+        )
+        self.attention_output.build((*input_shape[:-1], self.heads, self.head_dim))
+
+    def call(self, x):
+        query, key, value = ops.unstack(self.qkv(x), 3, axis=2)
+        scores = ops.einsum("btnh,bsnh->bnts", query, key) * self.head_dim**-0.5
+        length = x.shape[1]
+        causal = ops.tril(ops.ones((length, length), dtype="bool"))
+        scores = ops.where(causal, scores, ops.cast(-1e9, scores.dtype))
+        weights = ops.softmax(scores, axis=-1)
+        return self.attention_output(ops.einsum("bnts,bsnh->btnh", weights, value))
+
+
 def _block(h, d_model: int, heads: int, d_ff: int, i: int):
     a = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_attention_norm")(h)
-    a = keras.layers.MultiHeadAttention(
-        heads, d_model // heads, kernel_initializer=init(), name=f"block_{i}_attention"
-    )(a, a, use_causal_mask=True)
+    a = CausalSelfAttention(heads, d_model // heads, name=f"block_{i}_attention")(a)
     h = h + a
     m = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_mlp_norm")(h)
     m = keras.layers.Dense(
