@@ -15,6 +15,7 @@ from training.costs import abstract_model, activation_bytes_per_example, strateg
 from training.data import build_dataset
 from training.measure import measure_step
 from training.models import mlp as mlp_module
+from training.models import transformer as transformer_module
 from training.plan import make_plan
 from training.strategy import MeshShape
 
@@ -178,3 +179,16 @@ def test_activations_the_model_axis_splits_count_a_share_per_device():
         activation_bytes_per_example(mlp, {}, 4) - activation_bytes_per_example(mlp, columns, 4)
         == hidden * 3 / 4
     )
+
+
+def test_the_built_in_transformers_fused_attention_counts_its_scores_and_splits_by_heads():
+    cfg = run_config(TINY)  # 1 block, 16 positions, 4 heads of 8
+    model = abstract_model(cfg, build_dataset(cfg.data).spec).keras_model
+    blocks, length, heads, head_dim = 1, 16, 4, 8
+    inner = blocks * (4 * length * heads * head_dim + 2 * heads * length * length) * 4
+    whole = activation_bytes_per_example(model, {}, mesh_model=4)
+    split = activation_bytes_per_example(model, transformer_module.RULES, mesh_model=4)
+    attention_rules = {k: v for k, v in transformer_module.RULES.items() if "qkv" in k}
+    by_heads = activation_bytes_per_example(model, attention_rules, mesh_model=4)
+    assert whole - by_heads == inner * 3 / 4
+    assert split < by_heads

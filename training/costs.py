@@ -99,9 +99,9 @@ def activation_bytes_per_example(keras_model, rules: LayoutRules, mesh_model: in
         total += (
             sum(_values_per_example(t.shape) * dtype_bytes(str(t.dtype)) for t in outputs) / split
         )
-        if isinstance(layer, keras.layers.MultiHeadAttention):
-            split = mesh_model if _splits_heads(layer, rules) else 1
-            total += _attention_inner_bytes(layer) / split
+        if (attention := _attention(layer)) is not None:
+            split = mesh_model if attention.split_by_heads(rules) else 1
+            total += attention.inner_values() * dtype_bytes(layer.compute_dtype) / split
     return total
 
 
@@ -125,23 +125,62 @@ def _splits_output(layer, rules: LayoutRules) -> bool:
     return False
 
 
-def _splits_heads(layer, rules: LayoutRules) -> bool:
-    """Whether attention runs split by heads: its query kernel (model dim, heads, head dim)
-    split on the heads, as the key and value kernels must be with it."""
-    return rule_axes(layer._query_dense.kernel.path, rules)[1:2] == ("model",)
+@dataclass(frozen=True)
+class _Attention:
+    """An attention layer's sizes per example, and the kernel whose heads it is split by."""
+
+    queries: int
+    keys: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    kernel_path: str
+    heads_dim: int  # the kernel's dimension that holds the heads
+
+    def inner_values(self) -> int:
+        """Its tensors between the projections: query and context (queries × heads × head
+        dim), key and value (keys × heads × head dim), the scores and their softmax (heads ×
+        queries × keys)."""
+        q, k, h = self.queries, self.keys, self.heads
+        return h * (
+            q * self.key_dim + k * self.key_dim + k * self.value_dim + q * self.value_dim
+        ) + (2 * h * q * k)
+
+    def split_by_heads(self, rules: LayoutRules) -> bool:
+        axes = rule_axes(self.kernel_path, rules)
+        return len(axes) > self.heads_dim and axes[self.heads_dim] == "model"
 
 
-def _attention_inner_bytes(layer) -> int:
-    """MultiHeadAttention's tensors between its projections, per example: query and context
-    (queries × heads × head dim), key and value (keys × heads × head dim), the scores and
-    their softmax (heads × queries × keys)."""
-    shapes = layer._build_shapes_dict
-    queries = _values_per_example(shapes["query_shape"][:-1])
-    keys = _values_per_example(shapes.get("key_shape", shapes["value_shape"])[:-1])
-    heads, key_dim, value_dim = layer._num_heads, layer._key_dim, layer._value_dim
-    values = heads * (queries * key_dim + keys * key_dim + keys * value_dim + queries * value_dim)
-    values += 2 * heads * queries * keys
-    return values * dtype_bytes(layer.compute_dtype)
+def _attention(layer) -> _Attention | None:
+    """Keras' MultiHeadAttention and the built-in transformer's fused attention; None for
+    any other layer."""
+    import keras
+
+    from training.models.transformer import CausalSelfAttention
+
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        shapes = layer._build_shapes_dict
+        return _Attention(
+            queries=_values_per_example(shapes["query_shape"][:-1]),
+            keys=_values_per_example(shapes.get("key_shape", shapes["value_shape"])[:-1]),
+            heads=layer._num_heads,
+            key_dim=layer._key_dim,
+            value_dim=layer._value_dim,
+            kernel_path=layer._query_dense.kernel.path,  # (model dim, heads, head dim)
+            heads_dim=1,
+        )
+    if isinstance(layer, CausalSelfAttention):
+        length = layer.output.shape[1]
+        return _Attention(
+            queries=length,
+            keys=length,
+            heads=layer.heads,
+            key_dim=layer.head_dim,
+            value_dim=layer.head_dim,
+            kernel_path=layer.qkv.kernel.path,  # (model dim, q/k/v, heads, head dim)
+            heads_dim=2,
+        )
+    return None
 
 
 def variable_bytes(variable: VariableInfo) -> int:
