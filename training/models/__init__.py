@@ -77,13 +77,23 @@ def build_model(cfg: ModelConfig, data_spec: DataSpec):
 def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
     """The model with its variables' paths and shapes but no weights allocated."""
     import keras
+    from keras.src.backend.common import global_state
     from keras.src.utils.naming import reset_uids
 
     # Fresh layer-name counters, so that a subclassed model's name (and so its variables'
     # paths) is the one a host's first build, in a fresh process, gives it.
     reset_uids()
-    with keras.StatelessScope():
-        return build_model(cfg, data_spec)
+    # Keras would initialize the variables at the scope's exit, compiling and running every
+    # initializer (seconds for a large model): they stay uninitialized, and out of Keras'
+    # list of variables waiting for it, which the next scope's exit would initialize.
+    with keras.StatelessScope(initialize_variables=False):
+        model = build_model(cfg, data_spec)
+    waiting = global_state.get_global_attribute("uninitialized_variables", [])
+    built = {id(v) for v in model.variables}
+    global_state.set_global_attribute(
+        "uninitialized_variables", [v for v in waiting if id(v) not in built]
+    )
+    return model
 
 
 def variable_info(variable) -> VariableInfo:
