@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import ml_dtypes
 import numpy as np
 
 # HLO's element types: pred, s8, u32, f16, bf16, c64, f8e4m3fn, f4e2m1fn, ...
@@ -15,6 +14,10 @@ _HLO_PREFIX = {"f": "float", "s": "int", "u": "uint", "c": "complex"}
 
 def dtype_bytes(name: str) -> int:
     """`float32` 4, `bfloat16` 2, `float8_e4m3fn` 1, `int4` 1 (ml_dtypes stores it in a byte)."""
+    # Imported here: loading its extension takes about half a second, which the driver would
+    # otherwise pay at start, before Ray starts, rather than in the preflight thread.
+    import ml_dtypes
+
     return np.dtype(getattr(ml_dtypes, name, name)).itemsize
 
 
