@@ -17,7 +17,7 @@ from training.checkpoint import HostCheckpoints
 from training.compile_cache import cache_directory, cache_outcome, use_cache
 from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
-from training.loop import CompiledStep, Prefetcher
+from training.loop import COUNTS, CompiledStep, Prefetcher
 from training.optimizers import build_optimizer
 from training.phases import TRAINING, Phase
 from training.strategy import (
@@ -273,7 +273,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
         interval_steps += 1
         done = step + 1
         if done == start + 1:
-            runner.carry[1].block_until_ready()
+            runner.carry[COUNTS].block_until_ready()
             phase.finished(done)
             phase.set(TRAINING)
             report({"event": "compiled", "step": done, **compiled})
