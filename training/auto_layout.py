@@ -14,7 +14,9 @@ each weight's layout is chosen when the walk first reaches it:
 - anything else is split on its largest dimension the model axis divides;
 - a weight below `REPLICATED_BELOW` elements (norms, biases, small kernels) stays whole, as does
   the bias of a row-split projection (added after the all-reduce); a column-split projection's
-  bias is split with its output;
+  bias is split with its output; but where projections pair up, a small table or matrix that
+  no projection uses (a position table) is split on its last dimension, which XLA gathers
+  where it is used;
 - each layer's output gets a `<layer>/output` rule holding the state the walk found (batch over
   `data`, split or whole over `model`), so that XLA keeps the activations as planned.
 
@@ -75,6 +77,7 @@ def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> Auto
     for variable in model.trainable_variables:  # those the walk did not reach
         chooser._weight_axes(variable)
     chooser.split_biases(model)
+    chooser.split_small_matrices()
     return chooser.result(model)
 
 
@@ -109,6 +112,8 @@ class _Chooser(_Derivation):
         self.decided: dict[str, tuple] = {}  # path -> axes ((): whole)
         self.reasons: dict[str, str] = {}  # path (or <layer>/output) -> why
         self.layer_paths = {layer.path for layer in model._flatten_layers() if layer.path}
+        self.pairs_formed = False  # some projection was split by rows, after its partner
+        self.small_matrices: list = []  # left whole on first sight; see split_small_matrices
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -126,6 +131,7 @@ class _Chooser(_Derivation):
     def _kernel_axes(self, kernel, kernel_subs, input_letter, output_subs):
         def choose():
             if input_letter and input_letter in kernel_subs and input_letter not in output_subs:
+                self.pairs_formed = True
                 return self._split(kernel, kernel_subs.index(input_letter)), (
                     "row split: contracts the dimension its input arrives split on; one "
                     "all-reduce joins the partial sums"
@@ -149,7 +155,7 @@ class _Chooser(_Derivation):
     def _table_axes(self, table):
         def choose():
             if _elements(table) < REPLICATED_BELOW:
-                return (), _small(table)
+                return self._small_axes(table)
             if table.shape[0] % self.n == 0:
                 return self._split(table, 0), (
                     "split by vocabulary: each device looks up its rows, one all-reduce joins them"
@@ -163,10 +169,34 @@ class _Chooser(_Derivation):
     def _weight_axes(self, weight):
         def choose():
             if _elements(weight) < REPLICATED_BELOW:
-                return (), _small(weight)
+                return self._small_axes(weight)
             return self._largest(weight)
 
         return self._decide(weight, choose)
+
+    def _small_axes(self, weight) -> tuple[tuple, str]:
+        """Small: whole, for now. A matrix among them (a position table) may be split once
+        the walk is over (`split_small_matrices`)."""
+        if len(weight.shape) >= 2 and weight.shape[-1] % self.n == 0:
+            self.small_matrices.append(weight)
+        return (), _small(weight)
+
+    def split_small_matrices(self) -> None:
+        """Where projections pair up (a row-split projection exists), split the small
+        matrices no projection uses on their last dimension: between the pairs the
+        activations are whole, XLA gathers just the matrix where it is used (a few
+        kilobytes), and no device keeps a whole copy with its optimizer slots. Where nothing
+        pairs up, a split matrix would spread its split into whole activations."""
+        if not self.pairs_formed:
+            return
+        for weight in self.small_matrices:
+            axes = self._split(weight, len(weight.shape) - 1)
+            self.decided[weight.path] = axes
+            self.rules[re.escape(weight.path)] = axes
+            self.reasons[weight.path] = (
+                f"{_small(weight)} but not a projection's: split on its last dimension, "
+                "gathered where it is used"
+            )
 
     def _split(self, variable, dim: int) -> tuple:
         return tuple("model" if d == dim else None for d in range(len(variable.shape)))
