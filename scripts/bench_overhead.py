@@ -18,7 +18,8 @@
 Fake CPU devices share the machine's cores and other work on the machine adds noise:
 compare the ratios of one run, not absolute times.
 
-    python scripts/bench_overhead.py [--steps 60] [--loop-steps 600]
+    python scripts/bench_overhead.py [--steps 60] [--loop-steps 600] [--loop-overrides ...]
+    python scripts/bench_overhead.py --gpu [--loop-overrides trainer.precision=bfloat16]
 """
 
 from __future__ import annotations
@@ -61,9 +62,18 @@ def cpu_env(devices: int) -> dict:
     }
 
 
-def child(args: list[str], devices: int) -> subprocess.Popen:
+def gpu_env() -> dict:
+    """GPU 0 alone, for benchmark 1 on a GPU (`--gpu`)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "KERAS_BACKEND": "jax"}
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def child(args: list[str], devices: int, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, __file__, *args]
-    return subprocess.Popen(command, env=cpu_env(devices), stdout=subprocess.PIPE, text=True)
+    env = env or cpu_env(devices)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
 
 
 def result_of(process: subprocess.Popen) -> dict:
@@ -220,9 +230,9 @@ def jit_loop(model, dataset, batch: int, rows: slice, steps: int) -> dict:
 # ---- 1: the hosts' loop against the hand-written loop, 1 device -------------------------
 
 
-def loop_overhead(steps: int) -> dict:
-    """In a process with 1 CPU device: the hosts' loop, then the hand-written loop, twice
-    each, alternating; the best median of each."""
+def loop_overhead(steps: int, extra: list[str]) -> dict:
+    """In a process with 1 device: the hosts' loop, then the hand-written loop, twice each,
+    alternating; the best median of each."""
     import jax
     import keras
 
@@ -234,6 +244,7 @@ def loop_overhead(steps: int) -> dict:
         f"trainer.log_interval={READ_EVERY}",
         "trainer.eval_batches=0",
         "trainer.compile_cache_dir=off",
+        *extra,
     ]
     cfg = compose_run_config(overrides)
     mesh = MeshShape(1, 1)
@@ -255,14 +266,19 @@ def loop_overhead(steps: int) -> dict:
 # ---- report ----------------------------------------------------------------------------
 
 
-def report(loop: dict, first: dict, second: dict, plain: dict) -> None:
+def report_loop(loop: dict, device: str) -> None:
     ms = 1e3
-    print("1. host overhead, 1 CPU device, default MLP (median step after warm-up):")
+    print(f"1. host overhead, 1 {device}, default MLP (median step after warm-up):")
     print(
         f"   hosts' loop {loop['loop_step_seconds'] * ms:.3f} ms, hand-written jit loop "
         f"{loop['jit_step_seconds'] * ms:.3f} ms: "
         f"ratio {loop['loop_step_seconds'] / loop['jit_step_seconds']:.2f} (target <= 1.10)"
     )
+
+
+def report(loop: dict, first: dict, second: dict, plain: dict) -> None:
+    ms = 1e3
+    report_loop(loop, "CPU device")
     print("2. step time, transformer, hybrid 2 x 4 (median after warm-up):")
     steps = [first["step_seconds"], second["step_seconds"]]
     print(
@@ -297,6 +313,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="steps of the transformer runs")
     parser.add_argument("--loop-steps", type=int, default=600, help="steps of the MLP loops")
+    parser.add_argument(
+        "--gpu", action="store_true", help="benchmark 1 alone, on GPU 0 (needs the cuda extra)"
+    )
+    parser.add_argument(
+        "--loop-overrides", nargs="*", default=[], help="config overrides for benchmark 1"
+    )
     parser.add_argument("--plain", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--loop", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,14 +331,18 @@ def main() -> None:
         )
         return
     if args.loop:  # a child with 1 device
-        print(json.dumps(loop_overhead(args.loop)))
+        print(json.dumps(loop_overhead(args.loop, args.loop_overrides)))
+        return
+    loop_args = ["--loop", str(args.loop_steps), "--loop-overrides", *args.loop_overrides]
+    if args.gpu:
+        report_loop(result_of(child(loop_args, 1, gpu_env())), "GPU")
         return
     with tempfile.TemporaryDirectory() as cache:
         overrides = [*SYSTEM, f"trainer.steps={args.steps}", f"trainer.compile_cache_dir={cache}"]
         first = run_system(overrides)
         second = run_system(overrides)
     plain = run_plain([*SYSTEM, f"trainer.steps={args.steps}"], args.steps)
-    loop = result_of(child(["--loop", str(args.loop_steps)], 1))
+    loop = result_of(child(loop_args, 1))
     report(loop, first, second, plain)
 
 

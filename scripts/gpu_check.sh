@@ -70,6 +70,6 @@ if step_ms < 5:
 PY
 
 echo "== benchmark 1 (scripts/bench_overhead.py) on GPU 0"
-python scripts/bench_overhead.py --overrides mesh.data=1 mesh.model=1 'cluster.gpus=[0]' \
-    trainer.precision=bfloat16 2>&1 | tee "$OUT/bench_overhead.log"
+python scripts/bench_overhead.py --gpu --loop-overrides trainer.precision=bfloat16 2>&1 \
+    | tee "$OUT/bench_overhead.log"
 echo "== done; logs in $OUT"

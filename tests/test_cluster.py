@@ -263,3 +263,11 @@ def test_more_hosts_than_the_cluster_has_fail_within_the_timeout(multinode_clust
     assert "(head): CPU 1" in error
     assert multinode_cluster.left_over("actors", "state=ALIVE") == []
     assert multinode_cluster.left_over("placement-groups", "state!=REMOVED") == []
+
+
+def test_a_local_ray_instance_has_room_for_a_spare_host_group(monkeypatch):
+    from training.cluster import local_cpus
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert [local_cpus(hosts) for hosts in (1, 2, 3)] == [3, 4, 6]
+    assert local_cpus(-1) == 4  # a sweep's instance, before its trials settle their hosts

@@ -163,7 +163,12 @@ def _host_kind(cluster: RayClusterConfig) -> str:
 def local_cpus(hosts: int) -> int:
     """The CPUs a local Ray instance offers by default: the machine's cores (at least one
     per host), and room for a second group of hosts, the spare a restart takes over
-    (`fault.max_restarts`). A simulated host's CPU is a token for placement, not a core."""
+    (`fault.max_restarts`). A simulated host's CPU is a token for placement, not a core.
+    `hosts` may still be -1 (a sweep's instance starts before its trials settle theirs):
+    room for the CPU simulation's default then."""
+    from training.gpus import CPU_HOSTS
+
+    hosts = hosts if hosts != AUTO else CPU_HOSTS
     return max(os.cpu_count() or 1, hosts) + hosts
 
 
