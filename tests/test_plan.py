@@ -32,10 +32,15 @@ FSDP_RULES = (
 FSDP = {"mlp-fsdp": ("hybrid", MeshShape(2, 4), ["model=mlp", FSDP_RULES])}
 
 
-@functools.cache
 def predicted_and_measured(case: str):
     strategy, mesh, overrides = {**CASES, **FSDP}[case]
-    cfg = run_config([f"strategy={strategy}"] + overrides)
+    return plan_and_step(strategy, mesh, tuple(overrides))
+
+
+@functools.cache
+def plan_and_step(strategy: str, mesh: MeshShape, overrides: tuple[str, ...]):
+    """The plan's cost of a configuration and what its compiled step really holds and sends."""
+    cfg = run_config([f"strategy={strategy}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
     predicted = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
     try:

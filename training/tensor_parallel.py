@@ -113,24 +113,35 @@ def _traced(model):
 
 def _call_graph(layer, node):
     """A layer's own graph: its `call` run again on fresh symbolic copies of the node's
-    arguments records a node per inner layer and keras.ops call. None if it cannot run so."""
+    arguments records a node per inner layer and keras.ops call. None if it cannot run so.
+
+    A call that builds a constant from its input's batch size (keras-hub's causal mask,
+    broadcast to (batch, length, length)) cannot run on an unknown batch: it is run again on
+    a batch of one, which changes no byte count (those are per example)."""
     import keras
     from keras.src.ops.function import Function
 
-    def fresh(value):
-        if isinstance(value, keras.KerasTensor):
-            return keras.KerasTensor(value.shape, dtype=value.dtype)
-        return value
+    for batch in (None, 1):
 
-    args = keras.tree.map_structure(fresh, node.arguments.args)
-    kwargs = keras.tree.map_structure(fresh, node.arguments.kwargs)
-    inputs = [t for t in keras.tree.flatten((args, kwargs)) if isinstance(t, keras.KerasTensor)]
-    try:
-        with keras.StatelessScope():
-            outputs = layer.call(*args, **kwargs)
-        return _graph(Function(inputs, outputs))
-    except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
-        return None
+        def fresh(value, batch=batch):
+            if not isinstance(value, keras.KerasTensor):
+                return value
+            shape = value.shape
+            if batch is not None and shape and shape[0] is None:
+                shape = (batch, *shape[1:])
+            return keras.KerasTensor(shape, dtype=value.dtype)
+
+        args = keras.tree.map_structure(fresh, node.arguments.args)
+        kwargs = keras.tree.map_structure(fresh, node.arguments.kwargs)
+        flat = keras.tree.flatten((args, kwargs))
+        inputs = [t for t in flat if isinstance(t, keras.KerasTensor)]
+        try:
+            with keras.StatelessScope():
+                outputs = layer.call(*args, **kwargs)
+            return _graph(Function(inputs, outputs))
+        except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
+            continue
+    return None
 
 
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
@@ -158,6 +169,8 @@ class _Derivation:
         self.examples = examples
         self.value_bytes = value_bytes
         self.state: dict[int, object] = {}  # id(KerasTensor) -> its state
+        # id(KerasTensor) -> its shape, where Keras left a length unknown that the inputs give
+        self.shapes: dict[int, tuple] = {}
         # Tensors the backward pass differentiates: not the model's inputs, nor what only
         # they and no trainable weight produce.
         self.differentiated: set[int] = set()
@@ -179,7 +192,34 @@ class _Derivation:
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _bytes(self, tensor) -> int:
-        return self.examples * _size(tensor.shape[1:]) * self.value_bytes
+        return self.examples * _size(self._shape(tensor)[1:]) * self.value_bytes
+
+    def _shape(self, tensor) -> tuple:
+        return self.shapes.get(id(tensor), tuple(tensor.shape))
+
+    def _resolve_shapes(self, layer, ins, outs) -> None:
+        """Fill an output's unknown lengths from the inputs. Keras leaves some unknown: an
+        EinsumDense built on an unknown sequence length (a keras-hub backbone's attention
+        projections) keeps it unknown in its output on any input. An einsum's output
+        dimension takes its letter's size in the input; another layer's, the size at the
+        same position of an input of the same rank (elementwise ops, rotary embeddings,
+        attention on the projected query)."""
+        import keras
+
+        in_shapes = [self._shape(t) for t in ins]
+        for y in outs:
+            shape = list(y.shape)
+            if None not in shape[1:]:
+                continue
+            if isinstance(layer, keras.layers.EinsumDense) and ins:
+                equation = _expand_ellipsis(layer.equation, len(in_shapes[0]), len(shape))
+                x_subs, y_subs = equation.split(",")[0], equation.split("->")[1]
+                sizes = dict(zip(x_subs, in_shapes[0], strict=False))
+                shape = [n or sizes.get(c) for c, n in zip(y_subs, shape, strict=True)]
+            else:
+                for x_shape in (s for s in in_shapes if len(s) == len(shape)):
+                    shape = [n or m for n, m in zip(shape, x_shape, strict=True)]
+            self.shapes[id(y)] = tuple(shape)
 
     def _add(self, kind: str, size: float, what: str) -> None:
         self.found.append(Collective(kind, size, self.n, what))
@@ -236,7 +276,8 @@ class _Derivation:
     def _node(self, node) -> None:
         import keras
         from keras.src.ops.core import Unstack
-        from keras.src.ops.numpy import Einsum
+        from keras.src.ops.nn import DotProductAttention
+        from keras.src.ops.numpy import Einsum, Repeat
 
         layer = node.operation
         args, kwargs = node.arguments.args, node.arguments.kwargs
@@ -247,6 +288,7 @@ class _Derivation:
         ):
             self.differentiated.update(id(t) for t in outs)
         path = getattr(layer, "path", None) or layer.name
+        self._resolve_shapes(layer, ins, outs)
         if isinstance(layer, keras.layers.MultiHeadAttention):
             query = args[0]
             value = args[1] if len(args) > 1 else kwargs["value"]
@@ -265,13 +307,21 @@ class _Derivation:
         elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
             self._embedding(layer, ins[0], outs[0], path)
         elif hasattr(layer, "_nodes_by_depth"):  # a functional model used as a layer
-            self._inner(_graph(layer), ins, outs, path)
+            self._inner(_call_graph(layer, node) or _graph(layer), ins, outs, path)
         elif getattr(layer, "_layers", None) and (inner := _call_graph(layer, node)) is not None:
             self._inner(inner, ins, outs, path)
         elif isinstance(layer, Einsum):
             self._einsum_op(layer.subscripts, ins, outs[0], path)
         elif isinstance(layer, Unstack):
             self._unstack(layer.axis, ins[0], outs, path)
+        elif isinstance(layer, DotProductAttention) and all(len(t.shape) == 4 for t in ins):
+            # (batch, length, heads, head dim); a mask or bias is (batch, heads, query, key)
+            masks = ",bnts" * (len(ins) - 3)
+            self._einsum_op(f"btnh,bsnh,bsnh{masks}->btnh", ins, outs[0], path)
+        elif isinstance(layer, Repeat) and layer.axis is not None:
+            # Each element repeated in place along an axis (grouped-query attention's key and
+            # value heads, once per query head of their group): each device repeats its own.
+            self._set_output(path, outs[0], self._whole_or_split(ins[0], path))
         else:
             self._generic(layer, ins, outs, path)
 
@@ -280,6 +330,7 @@ class _Derivation:
         inner_inputs, inner_outputs, inner_nodes = graph
         for outer, inner in zip(ins, inner_inputs, strict=False):
             self.state[id(inner)] = self._get(outer)
+            self.shapes[id(inner)] = self._shape(outer)
             if id(outer) in self.differentiated:
                 self.differentiated.add(id(inner))
         for inner_node in inner_nodes:
@@ -453,8 +504,8 @@ class _Derivation:
 
 
 def _producer(tensor) -> str:
-    history = getattr(tensor, "_keras_history", None)
-    return getattr(history.operation, "path", history.operation.name) if history else "input"
+    operation = getattr(getattr(tensor, "_keras_history", None), "operation", None)
+    return getattr(operation, "path", None) or operation.name if operation else "input"
 
 
 def _size(shape) -> int:
