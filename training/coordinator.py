@@ -9,6 +9,7 @@ without one of its processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import (
@@ -56,6 +58,7 @@ from training.preflight import Plan
 from training.tensorboard import ScalarWriter
 
 POLL_SECONDS = 0.25
+PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
 FAILURE_GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 QUEUE_POLL_SECONDS = 1.0
@@ -105,6 +108,7 @@ class HostGroup:
     name: str
     placement: object
     actors: list = field(default_factory=list)
+    local_pids: list[int] = field(default_factory=list)  # see `started`
 
     @classmethod
     def request(cls, cluster: ClusterConfig) -> HostGroup:
@@ -161,11 +165,39 @@ class HostGroup:
             ).remote(host, cluster.hosts, cluster.platform)
             self.actors.append(actor)
 
+    def started(self, identities: list[dict]) -> None:
+        """Note the hosts' processes that run on this node, to see them gone at shutdown."""
+        here = ray.get_runtime_context().get_node_id()
+        self.local_pids = [i["pid"] for i in identities if i["node_id"] == here]
+
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
         remove_placement_group(self.placement)
+        _stop_processes(self.local_pids)
+        self.local_pids = []
+
+
+def _stop_processes(pids: list[int]) -> None:
+    """Ray's kill asks a host's process to exit, which a stopped or stalled process may not do
+    for seconds; until it does, it holds its devices (a GPU's memory) while the next group
+    starts on them. Give those on this node a moment, then kill them outright."""
+    deadline = time.monotonic() + PROCESS_EXIT_SECONDS
+    left = [pid for pid in pids if _running(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if _running(pid)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _describe(bundles: list[dict]) -> str:
@@ -452,7 +484,8 @@ class Coordinator:
 
     def _prepare_restart(self, failure: HostFailure) -> None:
         resume = newest_step(self.cfg.checkpoint) or 0
-        reached = self.watchdog.furthest_step()
+        # The checkpoint proves its step reached, however stale the hosts' last reports.
+        reached = max(self.watchdog.furthest_step(), resume)
         self.restarts.append(
             {
                 "error": str(failure),
@@ -464,6 +497,8 @@ class Coordinator:
                 # From noticing (before the failed group is stopped) to the fresh group's
                 # first step, set when it reports; and when it reached each phase before.
                 "recovery_seconds": None,
+                # Whether a spare group, requested while the failed one trained, takes over.
+                "spare_group": self.next_group is not None,
                 "recovery_phases": {"failed_group_stopped": time.monotonic() - failure.noticed},
                 "_detected": failure.noticed,
             }
@@ -481,6 +516,7 @@ class Coordinator:
             group.wait_placed(self._notify)
             self._mark("hosts_placed")
             self.identities = self._from_starting_hosts([a.identity.remote() for a in group.actors])
+            group.started(self.identities)
             self._mark("actors_started")
             coordinator = self._from_starting_hosts(group.actors[0].coordinator_address.remote())
             init_timeout = self.cfg.fault.startup_timeout_s
@@ -523,6 +559,7 @@ class Coordinator:
                 for ref in finished:
                     result, error = _outcome(ref)
                     if error is not None:
+                        self._drain(inbox, watchdog)  # what the hosts logged before it
                         self._report_failures(calls, pending, calls[ref], error)
                     results[calls[ref]] = result
                 self._drain(inbox, watchdog)

@@ -300,9 +300,9 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
             raise guard.non_finite(*bad)
         if save or evaluate:
             runner.to_keras()
-        if save:
-            with phase.during("saving"):
-                guard.checkpoints.save(done)
+        # A step's log goes out before its checkpoint: a host lost while saving leaves the
+        # driver a logged step past the newest checkpoint, which a restart rewinds and does
+        # again, where the other order could lose the step's log for good.
         if logged:
             event = {
                 "event": "step",
@@ -319,7 +319,11 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
                     event["eval_loss"] = feed.held_out_loss(model)
                 runner.from_keras()  # Keras' test step replaced the variables' arrays
             report(event)
-            # Evaluation time stays out of the next interval's step times.
+        if save:
+            with phase.during("saving"):
+                guard.checkpoints.save(done)
+        if logged:
+            # Evaluation and saving stay out of the next interval's step times.
             interval_start = time.perf_counter()
             interval_steps = 0
         if stop:
