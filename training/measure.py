@@ -10,7 +10,6 @@ from training import collectives
 from training.auto_layout import derive_for_config, settled, uses_auto_layout
 from training.config import RunConfig
 from training.strategy import MeshShape, device_grid
-from training.trainer import build_on_grid, describe_variables
 
 # The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
 # (8 heads, so that model parallelism can split it 8 ways).
@@ -40,6 +39,9 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     """Build the model on this process's devices, take one training step (which creates the
     optimizer's variables), then compile the step as Keras does and read its collectives."""
     import jax
+
+    # Imported here: keras, which the benchmarks' constants above need not import.
+    from training.trainer import build_on_grid
 
     if uses_auto_layout(cfg):  # as the driver settles it before the hosts start
         cfg = settled(cfg, derive_for_config(cfg, mesh.model))
@@ -73,4 +75,6 @@ def train_step_hlo(model, x, y) -> str:
 
 
 def _shard_bytes(variables) -> int:
+    from training.trainer import describe_variables
+
     return sum(v["shard_bytes"] for v in describe_variables(variables).values())
