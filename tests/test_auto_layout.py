@@ -4,13 +4,16 @@ rules at all (in the live arrays, not only in the rules), and are predicted as t
 step really runs them."""
 
 import functools
+import io
 import math
 import re
+import shlex
 
 import jax
 import keras
 import numpy as np
 import pytest
+from rich.console import Console
 
 from tests.conftest import run_config
 from tests.test_own_model import EXAMPLES
@@ -27,10 +30,11 @@ from tests.test_tensor_parallel import (
 )
 from tests.test_transformer import TINY as TINY_TEXT
 from training import collectives
-from training.auto_layout import REPLICATED_BELOW, derive
+from training.auto_layout import REPLICATED_BELOW, derive, derive_for_config
 from training.config import ConfigError
 from training.costs import abstract_model, strategy_cost
 from training.data import build_dataset
+from training.display import print_layout
 from training.measure import measure_step
 from training.models import ACTIVATION_RULE_SUFFIX
 from training.strategy import MeshShape
@@ -183,3 +187,17 @@ def test_a_llama_backbone_gets_its_large_kernels_split():
 def test_an_unknown_layout_is_a_config_error():
     with pytest.raises(ConfigError, match=r"strategy.layout='heads' is not one of model, auto"):
         run_config(["strategy=hybrid", "strategy.layout=heads"])
+
+
+def test_the_printed_rules_are_one_override_that_a_narrow_terminal_does_not_break():
+    """Copied from what the run and `training.plan` print in a 60-column terminal, the line
+    gives the model exactly the rules auto derived."""
+    derived = derive_for_config(run_config(["strategy=hybrid", "strategy.layout=auto"]), N)
+    console = Console(width=60, record=True, file=io.StringIO())
+    print_layout(derived, console)
+    prefix = "to edit them: "
+    lines = console.export_text().splitlines()
+    line = next(line for line in lines if line.startswith(prefix))
+    copied = run_config(["strategy=hybrid", *shlex.split(line.removeprefix(prefix))])
+    assert copied.strategy.layout == "model" and copied.model.layout == ""
+    assert {p: tuple(a) for p, a in copied.model.layout_rules.items()} == derived.rules

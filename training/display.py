@@ -175,3 +175,9 @@ def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
                 rows.append(row_index)
             devices.append(device)
     return by_host
+
+
+def print_layout(layout, console: Console) -> None:
+    """The rules `strategy.layout=auto` chose, with why and as one override to copy: soft
+    wrapped, since a hard wrap would put newlines into the override."""
+    console.print(layout.describe(), markup=False, highlight=False, soft_wrap=True)

@@ -32,6 +32,7 @@ from training.costs import (  # noqa: E402
     strategy_cost,
     variable_bytes,
 )
+from training.display import print_layout  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.preflight import preflight  # noqa: E402
 from training.strategy import MeshShape  # noqa: E402
@@ -165,7 +166,7 @@ def _network_axes(cost: StrategyCost) -> str:
 
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     if plan.layout:
-        console.print(plan.layout.describe(), markup=False)
+        print_layout(plan.layout, console)
     # No borders and short headings: its 9 columns fit in 80 characters.
     table = Table(
         title="per device, per step (micro-batch)",

@@ -30,7 +30,7 @@ from rich.console import Console  # noqa: E402
 from training.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.coordinator import Coordinator, HostFailure, HostGroup  # noqa: E402
-from training.display import ProgressDisplay, print_summary  # noqa: E402
+from training.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
 from training.preflight import check_sizes, preflight, with_layout  # noqa: E402
 from training.sweep import objective  # noqa: E402
 
@@ -53,7 +53,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 try:
                     plan = checked.result()
                     if plan.layout:
-                        console.print(plan.layout.describe(), highlight=False, markup=False)
+                        print_layout(plan.layout, console)
                     cfg = with_layout(cfg, plan)
                     display = ProgressDisplay(cfg.trainer.steps, console)
                     coordinator = Coordinator(cfg, plan, output_dir, display, hosts)
