@@ -81,13 +81,12 @@ def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> Auto
     return chooser.result(model)
 
 
-def derive_for_config(cfg: RunConfig, mesh_model: int, model=None) -> AutoLayout:
-    """The auto layout of the configured model (built abstractly unless given)."""
+def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
+    """The auto layout of the configured model, built abstractly."""
     from training import models
     from training.data import build_dataset
 
-    if model is None:
-        model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
+    model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
     return derive(model, mesh_model, cfg.strategy.layout_rules)
 
 
