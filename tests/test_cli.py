@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 from tests.conftest import assert_no_control_characters, png_size, read_scalars
 
 REPO = Path(__file__).resolve().parent.parent
+PROCESS_LIMIT_S = 240  # within pytest-timeout's 300 s, to report the stacks itself
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -20,16 +22,29 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def run_module(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m module args` as a user runs it, output piped as in CI."""
+    """`python -m module args` as a user runs it, output piped as in CI. One that outlives
+    the test's own time limit fails with every thread's stack (faulthandler), not silently."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run(
+    env["PYTHONFAULTHANDLER"] = "1"
+    process = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=PROCESS_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            stderr = process.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:  # a child process holds the pipes open
+            process.kill()
+            stderr = "(no stacks: the output pipes stayed open)"
+        pytest.fail(f"{module} {' '.join(args)} still ran after {PROCESS_LIMIT_S} s:\n{stderr}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize(

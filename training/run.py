@@ -49,6 +49,8 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         with ThreadPoolExecutor(1, thread_name_prefix="preflight") as pool:
             checked = pool.submit(preflight, cfg)
             with ray_session(cfg.cluster):
+                if checked.done():  # a check that failed while Ray started: no host starts
+                    checked.result()
                 hosts = HostGroup.request(cfg.cluster)
                 try:
                     plan = checked.result()
