@@ -9,7 +9,6 @@ the unit in which the hosts run the compiled step.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ from training.collectives import Collective, sent_bytes
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.data import DataSpec
 from training.dtypes import dtype_bytes
-from training.models import LayoutRules, VariableInfo
+from training.models import LayoutRules, VariableInfo, rule_axes
 from training.optimizers import build_optimizer
 from training.strategy import MeshShape
 from training.tensor_parallel import model_axis_collectives
@@ -203,11 +202,6 @@ def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
     """Into how many pieces the layout cuts a variable."""
     sizes = {"data": mesh.data, "model": mesh.model, None: 1}
     return math.prod(sizes[axis] for axis in rule_axes(path, rules))
-
-
-def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
-    """The mesh axis (or None) per dimension of the first rule that full-matches `path`."""
-    return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
 
 
 def devices_per_host(cfg: RunConfig) -> int:

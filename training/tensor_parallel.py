@@ -39,11 +39,11 @@ tensors) falls back to that last rule for every split weight.
 from __future__ import annotations
 
 import math
-import re
 import string
 
 from training.collectives import Collective
 from training.dtypes import dtype_bytes
+from training.models import rule_axes
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
@@ -147,15 +147,11 @@ def _call_graph(layer, node):
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.trainable_variables:
-        if "model" in _axes(rules, variable.path):
+        if "model" in rule_axes(variable.path, rules):
             size = math.prod(variable.shape) * dtype_bytes(str(variable.dtype))
             found.append(Collective("all-gather", size, n, f"forward: {variable.path}"))
             found.append(Collective("reduce-scatter", size, n, f"backward: {variable.path}"))
     return found
-
-
-def _axes(rules: Rules, path: str) -> tuple[str | None, ...]:
-    return next((tuple(a) for p, a in rules.items() if re.fullmatch(p, path)), ())
 
 
 def _split_dim(axes: tuple[str | None, ...]):
@@ -241,7 +237,7 @@ class _Derivation:
 
     def _set_output(self, layer_path: str, tensor, state) -> None:
         """Record a layer output's state, relaid out by an output rule if one matches."""
-        axes = _axes(self.rules, f"{layer_path}/output")
+        axes = rule_axes(f"{layer_path}/output", self.rules)
         if axes and _split_dim(axes) != state:
             target, size = _split_dim(axes), self._bytes(tensor)
             if state == PARTIAL:
@@ -261,15 +257,15 @@ class _Derivation:
 
     def _kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
         """A contraction's kernel, given the letter its input is split on (None: whole)."""
-        return _axes(self.rules, kernel.path)
+        return rule_axes(kernel.path, self.rules)
 
     def _table_axes(self, table):
         """An embedding table looked up by token ids."""
-        return _axes(self.rules, table.path)
+        return rule_axes(table.path, self.rules)
 
     def _weight_axes(self, weight):
         """A weight of a layer with no known contraction."""
-        return _axes(self.rules, weight.path)
+        return rule_axes(weight.path, self.rules)
 
     # -- layers -------------------------------------------------------------------------------
 
@@ -398,7 +394,7 @@ class _Derivation:
             self._whole(x, path)
         if id(x) in self.differentiated:
             self._add("all-reduce", self._bytes(x), f"backward: {path} input gradient")
-        out_axes = _axes(self.rules, f"{path}/output")
+        out_axes = rule_axes(f"{path}/output", self.rules)
         if out_axes and _split_dim(out_axes) is REPLICATED:
             # The output is wanted whole: XLA gathers the smaller of the output and the
             # kernel (a tied head gathers its table rather than the logits).

@@ -18,6 +18,7 @@ models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the sa
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,6 +249,12 @@ def _shapes(tree) -> str:
 
     leaves = [list(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree)]
     return str(leaves[0]) if len(leaves) == 1 else str(leaves)
+
+
+def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
+    """The mesh axis (or None) per dimension of the first rule that full-matches `path`;
+    () where none does (the variable or activation stays whole)."""
+    return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
 
 
 def layout_rules(
