@@ -67,14 +67,15 @@ def use_cache(setting: str) -> Path | None:
 STEPS_SUBDIRECTORY = "steps"
 
 
-def compile_step(lowered, directory: Path | None):
-    """`lowered.compile()`, served from this process's own copy where JAX's cache cannot
-    serve it (a process other than 0 of several)."""
+def compile_step(lowered):
+    """`lowered.compile()`, served from this process's own copy, in the cache directory
+    `use_cache` set, where JAX's cache cannot serve it (a process other than 0 of several)."""
     import jax
 
-    if directory is None or jax.process_index() == 0:
+    directory = jax.config.jax_compilation_cache_dir
+    if not jax.config.jax_enable_compilation_cache or not directory or jax.process_index() == 0:
         return lowered.compile()
-    path = directory / STEPS_SUBDIRECTORY / f"{_step_key(lowered)}.bin"
+    path = Path(directory) / STEPS_SUBDIRECTORY / f"{_step_key(lowered)}.bin"
     compiled = _load(path, lowered)
     if compiled is not None:
         _counts_now().add(requests=1, hits=1)

@@ -18,7 +18,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -81,9 +80,9 @@ class CompiledStep:
             for variable, value in zip(variables, values, strict=True):
                 variable.assign(value)
 
-    def compile(self, batch, cache: Path | None) -> float:
+    def compile(self, batch) -> float:
         """Compile the micro-step for batches like `batch` (or load it from the compile
-        cache `cache`); return the seconds it took."""
+        cache); return the seconds it took."""
         import jax
 
         started = time.perf_counter()
@@ -100,7 +99,7 @@ class CompiledStep:
         # `bound_in_flight` can wait on an older one.
         step = jax.jit(micro_step, donate_argnums=0, out_shardings=(shardings, self._replicated))
         lowered = step.lower(self.state, self._metrics, self.carry, batch)
-        self._compiled = compile_step(lowered, cache)
+        self._compiled = compile_step(lowered)
         return time.perf_counter() - started
 
     def __call__(self, batch) -> None:

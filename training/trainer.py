@@ -14,7 +14,7 @@ import numpy as np
 
 from training import models
 from training.checkpoint import HostCheckpoints
-from training.compile_cache import cache_directory, cache_outcome, use_cache
+from training.compile_cache import cache_outcome, use_cache
 from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
 from training.loop import COUNTS, CompiledStep, Prefetcher
@@ -248,8 +248,7 @@ def _train_loop(
     batches = feed.prefetch(start)
     try:
         with cache_outcome() as compiled:
-            cache = cache_directory(trainer.compile_cache_dir)
-            compiled["compile_seconds"] = runner.compile(batches.peek(), cache)
+            compiled["compile_seconds"] = runner.compile(batches.peek())
         reached = _steps(
             trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled
         )
