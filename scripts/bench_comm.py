@@ -29,13 +29,13 @@ import collections  # noqa: E402
 
 import keras  # noqa: E402
 
-from training.collectives import Collective, sent_bytes  # noqa: E402
 from training.config import LAYOUTS, compose_run_config  # noqa: E402
-from training.costs import abstract_model, strategy_cost  # noqa: E402
 from training.data import build_dataset  # noqa: E402
-from training.measure import BENCH_TRANSFORMER, measure_step  # noqa: E402
 from training.models import transformer  # noqa: E402
-from training.strategy import MeshShape  # noqa: E402
+from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
+from training.parallel.compiled import BENCH_TRANSFORMER, measure_step  # noqa: E402
+from training.parallel.costs import abstract_model, strategy_cost  # noqa: E402
+from training.parallel.mesh import MeshShape  # noqa: E402
 
 # A small transformer: every strategy compiles in well under a minute.
 SMALL = [

@@ -39,7 +39,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from training.config import compose_run_config  # noqa: E402
-from training.measure import BENCH_TRANSFORMER  # noqa: E402
+from training.parallel.compiled import BENCH_TRANSFORMER  # noqa: E402
 
 SYSTEM = [
     "strategy=hybrid",
@@ -143,8 +143,8 @@ def plain_process(process: int, port: int, launched: float, steps: int, override
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
     joined = time.time()
-    from training.strategy import MeshShape, device_grid, host_batch_rows
-    from training.trainer import build_on_grid
+    from training.host.trainer import build_on_grid
+    from training.parallel.mesh import MeshShape, device_grid, host_batch_rows
 
     cfg = compose_run_config(overrides)
     grid = device_grid(jax.devices(), MeshShape(cfg.mesh.data, cfg.mesh.model))
@@ -235,8 +235,8 @@ def loop_overhead(steps: int, extra: list[str]) -> dict:
     import jax
     import keras
 
-    from training.strategy import MeshShape, device_grid
-    from training.trainer import build_on_grid, train
+    from training.host.trainer import build_on_grid, train
+    from training.parallel.mesh import MeshShape, device_grid
 
     overrides = [
         f"trainer.steps={steps}",

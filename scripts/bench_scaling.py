@@ -1,6 +1,6 @@
 """Examples per second of data-parallel training at 1, 2, 4 and 8 devices.
 
-Each device count runs the system's own host training loop (`training.trainer.train`) in a
+Each device count runs the system's own host training loop (`training.host.trainer.train`) in a
 fresh process on that many devices — GPUs when there are, otherwise simulated CPU devices —
 with the same batch per device, and prints the throughput beside the reference speedups of
 2, 3.8 and 7.3 × on 2, 4 and 8 GPUs.
@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from training.measure import BENCH_TRANSFORMER
+from training.parallel.compiled import BENCH_TRANSFORMER
 
 DEVICES = (1, 2, 4, 8)
 REFERENCE_SPEEDUP = {1: 1.0, 2: 2.0, 4: 3.8, 8: 7.3}
@@ -45,8 +45,8 @@ def device_env(devices: int, gpus: int) -> dict:
 def measure(devices: int, overrides: list[str]) -> float:
     """Examples per second after the first logged interval (compile and warm-up)."""
     from training.config import compose_run_config
-    from training.strategy import MeshShape
-    from training.trainer import train
+    from training.host.trainer import train
+    from training.parallel.mesh import MeshShape
 
     cfg = compose_run_config(overrides)
     reports = []

@@ -29,16 +29,16 @@ from tests.test_tensor_parallel import (
     transformer,
 )
 from tests.test_transformer import TINY as TINY_TEXT
-from training import collectives
-from training.auto_layout import REPLICATED_BELOW, derive, derive_for_config
 from training.config import ConfigError
-from training.costs import abstract_model, strategy_cost
 from training.data import build_dataset
-from training.display import print_layout
-from training.measure import measure_step
+from training.driver.display import print_layout
 from training.models import ACTIVATION_RULE_SUFFIX
-from training.strategy import MeshShape
-from training.tensor_parallel import model_axis_collectives
+from training.parallel import collectives
+from training.parallel.auto_layout import REPLICATED_BELOW, derive, derive_for_config
+from training.parallel.compiled import measure_step
+from training.parallel.costs import abstract_model, strategy_cost
+from training.parallel.mesh import MeshShape
+from training.parallel.tensor_parallel import model_axis_collectives
 
 N = 4  # the model axis of a (2, 4) mesh
 
@@ -136,9 +136,9 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
                 "strategy.layout=auto",
             ]
         )
-        from training.auto_layout import derive_for_config, settled
-        from training.strategy import device_grid
-        from training.trainer import build_on_grid
+        from training.host.trainer import build_on_grid
+        from training.parallel.auto_layout import derive_for_config, settled
+        from training.parallel.mesh import device_grid
 
         mesh = MeshShape(2, 4)
         cfg = settled(cfg, derive_for_config(cfg, mesh.model))

@@ -28,9 +28,9 @@ from training.checkpoint import (
     host_view,
 )
 from training.config import CheckpointConfig, ConfigError
-from training.preflight import preflight
-from training.strategy import MeshShape, device_grid
-from training.trainer import build_on_grid
+from training.driver.preflight import preflight
+from training.host.trainer import build_on_grid
+from training.parallel.mesh import MeshShape, device_grid
 
 
 class Pair(keras.Model):

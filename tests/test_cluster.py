@@ -17,9 +17,9 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from examples import make_data
 from tests.conftest import FAST, run_config
-from training.cluster import Node, host_bundle, measure
 from training.config import ConfigError, RayClusterConfig
-from training.host import host_environment
+from training.driver.cluster import Node, host_bundle, measure
+from training.host.actor import host_environment
 from training.run import run_training
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,7 +266,7 @@ def test_more_hosts_than_the_cluster_has_fail_within_the_timeout(multinode_clust
 
 
 def test_a_local_ray_instance_has_room_for_a_spare_host_group(monkeypatch):
-    from training.cluster import local_cpus
+    from training.driver.cluster import local_cpus
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert [local_cpus(hosts) for hosts in (1, 2, 3)] == [3, 4, 6]

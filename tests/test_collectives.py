@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from training.collectives import Collective, from_hlo
-from training.costs import variable_bytes
-from training.dtypes import dtype_bytes, hlo_dtype_bytes
 from training.models import VariableInfo
+from training.parallel.collectives import Collective, from_hlo
+from training.parallel.costs import variable_bytes
+from training.parallel.dtypes import dtype_bytes, hlo_dtype_bytes
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ read exactly the examples of its share, in the data's own order."""
 import pytest
 
 from tests.conftest import run_config
-from training.coverage import RowCoverage, WrongRows
 from training.data import build_dataset
+from training.driver.coverage import RowCoverage, WrongRows
 
 BATCH = ["trainer.global_batch=32"]
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_config
-from training import trainer
 from training.checkpoint import newest_step
-from training.phases import Phase
-from training.strategy import MeshShape, device_grid
+from training.host.actor import trainer
+from training.host.phases import Phase
+from training.parallel.mesh import MeshShape, device_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
@@ -166,9 +166,9 @@ def compile_in_subprocess(cache: Path) -> dict:
 import json, os
 os.environ.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                   KERAS_BACKEND="jax")
-from training import trainer
+from training.host.actor import trainer
 from training.config import compose_run_config
-from training.strategy import MeshShape
+from training.parallel.mesh import MeshShape
 reports = []
 cfg = compose_run_config(["trainer.steps=2", "trainer.eval_batches=0", "trainer.global_batch=8",
                   "trainer.compile_cache_dir={cache}"])

@@ -171,14 +171,14 @@ LLAMA_PLAN = ("model=hub", "data=text", "model.seq_len=32")
 
 def llama_plan_and_step(layout: str):
     from tests.test_plan import plan_and_step
-    from training.strategy import MeshShape
+    from training.parallel.mesh import MeshShape
 
     return plan_and_step("hybrid", MeshShape(2, 4), (*LLAMA_PLAN, f"strategy.layout={layout}"))
 
 
 def model_axis_bytes(found) -> float:
     """Bytes sent in the collectives over the model axis (groups of 4; the data axis's are 2)."""
-    from training.collectives import sent_bytes
+    from training.parallel.collectives import sent_bytes
 
     return sent_bytes([c for c in found if c.group == 4])
 

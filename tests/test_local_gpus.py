@@ -5,10 +5,10 @@ import pytest
 
 from tests.conftest import run_config
 from training import gpus as gpus_module
-from training.cluster import host_bundles
 from training.config import ConfigError, LocalClusterConfig
+from training.driver.cluster import host_bundles
 from training.gpus import Gpu, host_gpus, parse_nvidia_smi, resolve_local, visible
-from training.host import host_environment
+from training.host.actor import host_environment
 
 SMI = "\n".join(
     f"{i}, GPU-{i:04d}, NVIDIA H100 80GB HBM3, 81559" for i in range(8)

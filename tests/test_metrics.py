@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from training.metrics import MetricsLog, per_host_step_seconds, steady_examples_per_second
+from training.driver.metrics import MetricsLog, per_host_step_seconds, steady_examples_per_second
 
 
 def report(host: int, step: int, loss: float, seconds: float = 1.0, examples: float = 32.0):

@@ -11,10 +11,10 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import FAST, assert_no_control_characters, read_scalars, run_config
-from training.display import ProgressDisplay
-from training.logs import RUN_LOG, RunLog, forward_warnings
+from training.driver.display import ProgressDisplay
+from training.driver.logs import RUN_LOG, RunLog, forward_warnings
+from training.driver.tensorboard import ScalarWriter, scalars
 from training.run import run_training
-from training.tensorboard import ScalarWriter, scalars
 
 
 def row(step: int, **extra) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import run_config
 from training.config import ConfigError
-from training.preflight import preflight
+from training.driver.preflight import preflight
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 _names = itertools.count()

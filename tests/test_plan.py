@@ -11,13 +11,13 @@ import pytest
 from tests.conftest import run_config
 from tests.test_transformer import TINY
 from training.config import ConfigError
-from training.costs import abstract_model, activation_bytes_per_example, strategy_cost
 from training.data import build_dataset
-from training.measure import measure_step
 from training.models import mlp as mlp_module
 from training.models import transformer as transformer_module
+from training.parallel.compiled import measure_step
+from training.parallel.costs import abstract_model, activation_bytes_per_example, strategy_cost
+from training.parallel.mesh import MeshShape
 from training.plan import make_plan
-from training.strategy import MeshShape
 
 CASES = {
     "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TINY),

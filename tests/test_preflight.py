@@ -4,9 +4,9 @@ import pytest
 
 from tests.conftest import run_config
 from training.config import ConfigError
+from training.driver.preflight import check_layout_rules, preflight
 from training.models import VariableInfo
-from training.preflight import check_layout_rules, preflight
-from training.strategy import MeshShape
+from training.parallel.mesh import MeshShape
 
 VARIABLES = [
     VariableInfo("dense/kernel", (16, 12), "float32"),

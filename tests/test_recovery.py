@@ -20,11 +20,11 @@ import pytest
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from tests.test_checkpoint import HYBRID, values
 from training.checkpoint import HostCheckpoints
-from training.coordinator import HostFailure
-from training.logs import RUN_LOG
+from training.driver.logs import RUN_LOG
+from training.driver.supervisor import HostFailure
+from training.host.trainer import build_on_grid
+from training.parallel.mesh import MeshShape, device_grid
 from training.run import run_training
-from training.strategy import MeshShape, device_grid
-from training.trainer import build_on_grid
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ from tests.conftest import fake_devices, run_config
 from training import models
 from training.config import ConfigError, MeshConfig
 from training.data import build_dataset
-from training.strategy import (
+from training.parallel.mesh import (
     MeshShape,
     build_distribution,
     device_grid,

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.test_cli import cli
-from training.sweep import rank, ranked_by, trial_row, write_results
+from training.driver.sweep import rank, ranked_by, trial_row, write_results
 
 SMALL = ["trainer.steps=4", "trainer.log_interval=2", "trainer.global_batch=16"]
 

@@ -9,11 +9,11 @@ import keras
 import numpy as np
 import pytest
 
-from training import collectives
-from training.measure import train_step_hlo
 from training.models import mlp as mlp_module
 from training.models import transformer as transformer_module
-from training.tensor_parallel import model_axis_collectives
+from training.parallel import collectives
+from training.parallel.compiled import train_step_hlo
+from training.parallel.tensor_parallel import model_axis_collectives
 
 # -- the built-in models, and models of other shapes -------------------------------------------
 

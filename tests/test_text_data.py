@@ -10,7 +10,7 @@ from tests.conftest import fake_devices, run_config
 from training.config import ConfigError, TextDataConfig
 from training.data import ArraySpec, build_dataset
 from training.data.text import TextCorpus
-from training.strategy import MeshShape, device_grid, host_batch_rows
+from training.parallel.mesh import MeshShape, device_grid, host_batch_rows
 
 MARKER = re.compile(rb"<file (\d\d)>")
 

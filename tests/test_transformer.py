@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_config
-from training import models, trainer
+from training import models
 from training.data import build_dataset
+from training.host.actor import trainer
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.strategy import MeshShape, build_distribution, device_grid
+from training.parallel.mesh import MeshShape, build_distribution, device_grid
 
 TEXT = ["model=transformer", "data=text"]
 # A transformer small enough to train a few steps in seconds.

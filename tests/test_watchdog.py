@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from training.config import ConfigError, FaultConfig
-from training.coordinator import HostFailure, Watchdog
-from training.phases import Beats, Phase
+from training.driver.supervisor import HostFailure, Watchdog
+from training.host.phases import Beats, Phase
 
 FAULT = FaultConfig()  # startup 1800 s, step 300 s
 

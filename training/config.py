@@ -2,7 +2,7 @@
 
 Each YAML file under `conf/<group>/` extends the schema stored here for its option, so a
 wrong type or an unknown key is rejected by Hydra when the config is composed. Cross-field
-rules (mesh against cluster, batch against mesh) live in `training.preflight`.
+rules (mesh against cluster, batch against mesh) live in `training.driver.preflight`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ NAN_POLICIES = ("stop",)
 LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
 AUTO = -1  # a mesh axis of this size takes all remaining devices
 # strategy.layout: the model's own rules, or rules derived from its structure
-# (training.auto_layout).
+# (training.parallel.auto_layout).
 MODEL_LAYOUT = "model"
 AUTO_LAYOUT = "auto"
 LAYOUTS = (MODEL_LAYOUT, AUTO_LAYOUT)
@@ -295,7 +295,7 @@ class LocalClusterConfig:
     placement_timeout_s: float = 60.0
     # CPUs the local Ray instance offers, one per host: room for this many hosts at once (a
     # sweep's trials and a restart's spare group share them). None: this machine's cores,
-    # plus room for a spare group (training.cluster.local_cpus).
+    # plus room for a spare group (training.driver.cluster.local_cpus).
     num_cpus: Optional[int] = None
     # Not settable: every host shares this machine's one node.
     host_resource: ClassVar[Optional[str]] = None
@@ -452,7 +452,7 @@ def url_scheme(path: str) -> str | None:
 
 @dataclass
 class FaultConfig:
-    # Hosts beat every second with what they are doing (training.phases); a host is declared
+    # Hosts beat every second with what they are doing (training.host.phases); a host is declared
     # stuck when a phase outlasts its bound (JAX's own heartbeat only catches dead processes,
     # and Ray's timeouts are tens of minutes). From a host's start to its first step
     # (joining, building, restoring, compiling), and the jax.distributed initialisation:

@@ -21,9 +21,12 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from training.auto_layout import AutoLayout  # noqa: E402
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
-from training.costs import (  # noqa: E402
+from training.driver.display import print_layout  # noqa: E402
+from training.driver.preflight import preflight  # noqa: E402
+from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
+from training.parallel.auto_layout import AutoLayout  # noqa: E402
+from training.parallel.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
     abstract_model,
@@ -32,10 +35,7 @@ from training.costs import (  # noqa: E402
     strategy_cost,
     variable_bytes,
 )
-from training.display import print_layout  # noqa: E402
-from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
-from training.preflight import preflight  # noqa: E402
-from training.strategy import MeshShape  # noqa: E402
+from training.parallel.mesh import MeshShape  # noqa: E402
 
 SPEEDUP_DEVICES = (1, 2, 4, 8)
 GB = 1e9

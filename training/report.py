@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from training.sweep import format_number, varying_overrides
+from training.driver.sweep import format_number, varying_overrides
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
 HELD_OUT = "eval_loss"

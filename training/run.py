@@ -27,12 +27,12 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from training.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
-from training.coordinator import Coordinator, HostFailure, HostGroup  # noqa: E402
-from training.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
-from training.preflight import check_sizes, preflight, with_layout  # noqa: E402
-from training.sweep import objective  # noqa: E402
+from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
+from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
+from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
+from training.driver.supervisor import Coordinator, HostFailure, HostGroup  # noqa: E402
+from training.driver.sweep import objective  # noqa: E402
 
 register_configs()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from training.collectives import Collective
+from training.parallel.collectives import Collective
 
 RULES = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),

@@ -1,8 +1,8 @@
 """`strategy.layout=auto`: layout rules derived from the built model's structure.
 
 The model (abstract: shapes, no weights) is walked along its layer graph as
-`training.tensor_parallel` follows it, keeping each activation's state on the model axis, and
-each weight's layout is chosen when the walk first reaches it:
+`training.parallel.tensor_parallel` follows it, keeping each activation's state on the model
+axis, and each weight's layout is chosen when the walk first reaches it:
 
 - a projection (Dense, EinsumDense, attention's projections, a reversed embedding) whose input
   arrives split on a dimension it contracts is split there (row split): each device multiplies
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from training.config import AUTO_LAYOUT, RunConfig
 from training.models import ACTIVATION_RULE_SUFFIX, SPLIT_THRESHOLD_BYTES, LayoutRules
-from training.tensor_parallel import PARTIAL, REPLICATED, _Derivation, _graph
+from training.parallel.tensor_parallel import PARTIAL, REPLICATED, _Derivation, _graph
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -102,7 +102,7 @@ def uses_auto_layout(cfg: RunConfig) -> bool:
 
 
 class _Chooser(_Derivation):
-    """The derivation of `training.tensor_parallel`, choosing each weight's layout on first
+    """The derivation of `training.parallel.tensor_parallel`, choosing each weight's layout on first
     sight instead of reading it from the rules (which start as the user's overrides)."""
 
     def __init__(self, model, overrides: LayoutRules, n: int):

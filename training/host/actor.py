@@ -15,9 +15,9 @@ import time
 import ray
 
 from training.config import RunConfig
-from training.logs import forward_warnings
-from training.phases import Beats, Phase
-from training.strategy import MeshShape
+from training.driver.logs import forward_warnings
+from training.host.phases import Beats, Phase
+from training.parallel.mesh import MeshShape
 
 
 def host_environment(
@@ -104,8 +104,8 @@ class HostActor:
         init_timeout_s: float,
         driver_dir: str,
     ) -> dict:
+        from training.host.trainer import train
         from training.models.locate import put_first_on_path
-        from training.trainer import train
 
         # Relative paths (data files, the user's model module) mean what they mean on the
         # driver: run in the driver's directory where this node has it (a local run, shared
@@ -146,7 +146,7 @@ def _import_libraries() -> None:
     import jax  # noqa: F401
     import keras  # noqa: F401
 
-    import training.trainer  # noqa: F401
+    import training.host.trainer  # noqa: F401
 
 
 # Gloo prints a line from C++ for every communicator it connects, straight to stdout, with

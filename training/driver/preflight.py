@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from training import auto_layout, models
+from training import models
 from training.checkpoint import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.data import Dataset, DataSpec, build_dataset
 from training.models import LayoutRules, VariableInfo
-from training.strategy import MeshShape, resolve_mesh
+from training.parallel import auto_layout
+from training.parallel.mesh import MeshShape, resolve_mesh
 
 
 @dataclass(frozen=True)

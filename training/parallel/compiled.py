@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training import collectives
-from training.auto_layout import derive_for_config, settled, uses_auto_layout
 from training.config import RunConfig
-from training.strategy import MeshShape, device_grid
+from training.parallel import collectives
+from training.parallel.auto_layout import derive_for_config, settled, uses_auto_layout
+from training.parallel.mesh import MeshShape, device_grid
 
 # The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
 # (8 heads, so that model parallelism can split it 8 ways).
@@ -41,7 +41,7 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     import jax
 
     # Imported here: keras, which the benchmarks' constants above need not import.
-    from training.trainer import build_on_grid
+    from training.host.trainer import build_on_grid
 
     if uses_auto_layout(cfg):  # as the driver settles it before the hosts start
         cfg = settled(cfg, derive_for_config(cfg, mesh.model))
@@ -75,6 +75,6 @@ def train_step_hlo(model, x, y) -> str:
 
 
 def _shard_bytes(variables) -> int:
-    from training.trainer import describe_variables
+    from training.host.trainer import describe_variables
 
     return sum(v["shard_bytes"] for v in describe_variables(variables).values())

@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 
 from training import models
-from training.auto_layout import derive
-from training.collectives import Collective, sent_bytes
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.data import DataSpec
-from training.dtypes import dtype_bytes
+from training.host.trainer import DTYPE_POLICIES
 from training.models import LayoutRules, VariableInfo, rule_axes
 from training.optimizers import build_optimizer
-from training.strategy import MeshShape
-from training.tensor_parallel import model_axis_collectives
-from training.trainer import DTYPE_POLICIES
+from training.parallel.auto_layout import derive
+from training.parallel.collectives import Collective, sent_bytes
+from training.parallel.dtypes import dtype_bytes
+from training.parallel.mesh import MeshShape
+from training.parallel.tensor_parallel import model_axis_collectives
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class AbstractModel:
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
     # The abstract keras.Model itself (no weights allocated): what the model axis must
     # communicate depends on the layout rules and mesh too, so it is derived from the layer
-    # graph per strategy (`training.tensor_parallel`), in milliseconds.
+    # graph per strategy (`training.parallel.tensor_parallel`), in milliseconds.
     keras_model: Any = field(default=None, compare=False, repr=False)
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from training.metrics import write_json
+from training.driver.metrics import write_json
 
 COLUMNS = (
     "trial",

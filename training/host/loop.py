@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.compile_cache import compile_step
+from training.host.compile_cache import compile_step
 
 # At most about this many steps are left in flight: XLA:CPU's collectives can abort when
 # hundreds of steps are queued without the host ever waiting (jax #25861).

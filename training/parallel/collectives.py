@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from training.dtypes import hlo_dtype_bytes
+from training.parallel.dtypes import hlo_dtype_bytes
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

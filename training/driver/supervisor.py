@@ -33,29 +33,29 @@ from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.checkpoint import directory_bytes, newest_step
-from training.cluster import (
+from training.config import ClusterConfig, ConfigError, FaultConfig, RunConfig
+from training.driver.cluster import (
     alive_nodes,
     describe_nodes,
     host_bundles,
     placement_strategy,
     ray_session,
 )
-from training.config import ClusterConfig, ConfigError, FaultConfig, RunConfig
-from training.coverage import RowCoverage, WrongRows
-from training.display import ProgressDisplay
-from training.gpus import RESOURCE_PREFIX, host_gpus
-from training.host import HostActor, host_environment
-from training.logs import RunLog
-from training.metrics import (
+from training.driver.coverage import RowCoverage, WrongRows
+from training.driver.display import ProgressDisplay
+from training.driver.logs import RunLog
+from training.driver.metrics import (
     MetricsLog,
     per_host_step_seconds,
     steady_examples_per_second,
     write_json,
 )
+from training.driver.preflight import Plan
+from training.driver.tensorboard import ScalarWriter
+from training.gpus import RESOURCE_PREFIX, host_gpus
+from training.host.actor import HostActor, host_environment
+from training.host.phases import BEAT_SECONDS, STARTUP_PHASES, TRAINING
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.phases import BEAT_SECONDS, STARTUP_PHASES, TRAINING
-from training.preflight import Plan
-from training.tensorboard import ScalarWriter
 
 POLL_SECONDS = 0.25
 PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
@@ -212,7 +212,7 @@ def _check_local_gpus_offered(cluster: ClusterConfig, bundles: list[dict]) -> No
     if missing:
         raise ConfigError(
             f"the Ray instance this run uses offers no {', '.join(missing)}: a local GPU run "
-            "needs a Ray instance it starts itself (training.cluster.connect_ray), which "
+            "needs a Ray instance it starts itself (training.driver.cluster.connect_ray), which "
             "offers each GPU as such a resource"
         )
 
@@ -275,7 +275,7 @@ class Stuck:
 
 
 class Watchdog:
-    """Judges each host's progress from its beats and reports (`training.phases`). A host is
+    """Judges each host's progress from its beats and reports (`training.host.phases`). A host is
     stuck when
     - it is still starting (joining, building, restoring, compiling its first step)
       fault.startup_timeout_s after its start;

@@ -14,13 +14,13 @@ import numpy as np
 
 from training import models
 from training.checkpoint import HostCheckpoints
-from training.compile_cache import cache_outcome, use_cache
 from training.config import RunConfig, TrainerConfig
 from training.data import Dataset, build_dataset
-from training.loop import COUNTS, CompiledStep, Prefetcher
+from training.host.compile_cache import cache_outcome, use_cache
+from training.host.loop import COUNTS, CompiledStep, Prefetcher
+from training.host.phases import TRAINING, Phase
 from training.optimizers import build_optimizer
-from training.phases import TRAINING, Phase
-from training.strategy import (
+from training.parallel.mesh import (
     MeshShape,
     build_distribution,
     device_grid,
@@ -52,7 +52,7 @@ def train(
 ) -> dict:
     """Train from the newest checkpoint (or from scratch) to trainer.steps, or until the
     driver asks every host to checkpoint and stop. `phase` is kept up to date with what the
-    host is doing and the last step it finished (see `training.phases`)."""
+    host is doing and the last step it finished (see `training.host.phases`)."""
     import jax
 
     phase = phase or Phase()

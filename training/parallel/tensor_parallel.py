@@ -41,9 +41,9 @@ from __future__ import annotations
 import math
 import string
 
-from training.collectives import Collective
-from training.dtypes import dtype_bytes
 from training.models import rule_axes
+from training.parallel.collectives import Collective
+from training.parallel.dtypes import dtype_bytes
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
