@@ -95,17 +95,17 @@ def run_system(overrides: list[str]) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         summary = run_training(compose_run_config(overrides), Path(out), Console(quiet=True))
-    driver_before_coordinator = time.perf_counter() - started - summary["wall_seconds"]
+    driver_before_supervisor = time.perf_counter() - started - summary["wall_seconds"]
     phases = summary["phase_seconds"]
     return {
         "step_seconds": max(summary["per_host_step_seconds"]),
         "since_start": imported - PROCESS_STARTED,
-        "first_step_seconds": driver_before_coordinator + phases["first_step"],
+        "first_step_seconds": driver_before_supervisor + phases["first_step"],
         "compile_and_first_step": phases["first_step"] - phases["model_built"],
         "compile_seconds": summary["compile_seconds"],
         "compile_cache": summary["compile_cache"],
         "breakdown": {
-            "config, Ray start (checks meanwhile)": driver_before_coordinator,
+            "config, Ray start (checks meanwhile)": driver_before_supervisor,
             "actors placed + started": phases["actors_started"] - phases["ray_ready"],
             "jax.distributed joined": phases["jax_cluster_joined"] - phases["actors_started"],
             "model built": phases["model_built"] - phases["jax_cluster_joined"],

@@ -4,7 +4,7 @@ Usage: python single_device_reference.py '<json list of overrides>' ...  -> prin
 losses as JSON (at each logged step, the mean loss of the steps since the last one logged),
 one line per list of overrides.
 Shares only the model, data and optimizer definitions with the system under test, not its
-strategy, host or coordinator code. A user's model module is found from the working
+strategy, host or supervisor code. A user's model module is found from the working
 directory, as in a run.
 
 `trainer.precision=bfloat16` computes under Keras' own mixed policy (bfloat16 compute,

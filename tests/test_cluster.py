@@ -18,7 +18,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from examples import make_data
 from tests.conftest import FAST, run_config
 from training.config import ConfigError, RayClusterConfig
-from training.driver.cluster import Node, host_bundle, measure
+from training.driver.cluster import Node, host_bundle, sized_from_nodes
 from training.host.actor import host_environment
 from training.run import run_training
 
@@ -71,7 +71,7 @@ CPU_HEAD = Node("h" * 8, "10.0.0.9", True, {"CPU": 8.0})
 
 def test_auto_counts_are_read_from_the_gpu_nodes():
     nodes = [CPU_HEAD, gpu_node("a", 8), gpu_node("b", 8)]
-    sized = measure(RayClusterConfig(), nodes)
+    sized = sized_from_nodes(RayClusterConfig(), nodes)
     assert (sized.hosts, sized.devices_per_host) == (2, 8)
     assert host_bundle(sized, sized.devices_per_host) == {"CPU": 1.0, "GPU": 8.0}
 
@@ -79,26 +79,26 @@ def test_auto_counts_are_read_from_the_gpu_nodes():
 def test_a_host_resource_picks_the_nodes_that_are_hosts():
     nodes = [CPU_HEAD, gpu_node("a", 8, **{HOST_RESOURCE: 1.0}), gpu_node("b", 8)]
     cluster = RayClusterConfig(host_resource=HOST_RESOURCE)
-    sized = measure(cluster, nodes)
+    sized = sized_from_nodes(cluster, nodes)
     assert (sized.hosts, sized.devices_per_host) == (1, 8)
     assert host_bundle(sized, 8) == {"CPU": 1.0, "GPU": 8.0, HOST_RESOURCE: 1.0}
 
 
 def test_an_explicit_host_count_is_kept_for_an_autoscaler_to_meet():
-    sized = measure(RayClusterConfig(hosts=4), [CPU_HEAD, gpu_node("a", 8)])
+    sized = sized_from_nodes(RayClusterConfig(hosts=4), [CPU_HEAD, gpu_node("a", 8)])
     assert (sized.hosts, sized.devices_per_host) == (4, 8)
 
 
 def test_nodes_with_different_gpu_counts_need_an_explicit_device_count():
     nodes = [gpu_node("a", 8), gpu_node("b", 4)]
     with pytest.raises(ConfigError, match="differ in GPUs.*GPU 8.*GPU 4.*devices_per_host"):
-        measure(RayClusterConfig(), nodes)
-    assert measure(RayClusterConfig(devices_per_host=4), nodes).hosts == 2
+        sized_from_nodes(RayClusterConfig(), nodes)
+    assert sized_from_nodes(RayClusterConfig(devices_per_host=4), nodes).hosts == 2
 
 
 def test_a_cluster_without_host_nodes_says_what_it_has():
     with pytest.raises(ConfigError, match=r"no node with GPUs now; it has 1 node\(s\).*\(head\)"):
-        measure(RayClusterConfig(), [CPU_HEAD])
+        sized_from_nodes(RayClusterConfig(), [CPU_HEAD])
 
 
 def test_gpu_hosts_use_cuda_and_simulate_no_devices():

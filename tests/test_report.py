@@ -11,7 +11,7 @@ from training.report import find_runs, main, plot, table
 
 
 def write_run(run_dir: Path, losses: list[float], summary: bool = True, **fields) -> None:
-    """A run directory as the coordinator leaves it; `fields` adds a value to the last row."""
+    """A run directory as the supervisor leaves it; `fields` adds a value to the last row."""
     (run_dir / ".hydra").mkdir(parents=True)
     rows = [
         {"step": 2 * (i + 1), "loss": loss, "per_host_step_seconds": [0.01, 0.02 + i]}

@@ -31,7 +31,7 @@ from training.config import ConfigError, RunConfig, register_configs, to_run_con
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
 from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
-from training.driver.supervisor import Coordinator, HostFailure, HostGroup  # noqa: E402
+from training.driver.supervisor import HostFailure, HostGroup, Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
 
 register_configs()
@@ -47,22 +47,22 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         # before they do anything else. Ray stays in the main thread: started from another
         # one while JAX runs, its processes lose their connection to it.
         with ThreadPoolExecutor(1, thread_name_prefix="preflight") as pool:
-            checked = pool.submit(preflight, cfg)
+            checking = pool.submit(preflight, cfg)
             with ray_session(cfg.cluster):
-                if checked.done():  # a check that failed while Ray started: no host starts
-                    checked.result()
+                if checking.done():  # a check that failed while Ray started: no host starts
+                    checking.result()
                 hosts = HostGroup.request(cfg.cluster)
                 try:
-                    plan = checked.result()
-                    if plan.layout:
-                        print_layout(plan.layout, console)
-                    cfg = with_layout(cfg, plan)
+                    checked = checking.result()
+                    if checked.layout:
+                        print_layout(checked.layout, console)
+                    cfg = with_layout(cfg, checked)
                     display = ProgressDisplay(cfg.trainer.steps, console)
-                    coordinator = Coordinator(cfg, plan, output_dir, display, hosts)
+                    supervisor = Supervisor(cfg, checked, output_dir, display, hosts)
                 except BaseException:
                     hosts.shutdown()
                     raise
-                summary = coordinator.run()
+                summary = supervisor.run()
     print_summary(summary, console)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary

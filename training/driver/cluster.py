@@ -111,10 +111,10 @@ def sized_to_cluster(cfg: RunConfig) -> Iterator[RunConfig]:
         yield cfg
         return
     with ray_session(cfg.cluster):
-        yield replace(cfg, cluster=measure(cfg.cluster, alive_nodes()))
+        yield replace(cfg, cluster=sized_from_nodes(cfg.cluster, alive_nodes()))
 
 
-def measure(cluster: RayClusterConfig, nodes: list[Node]) -> RayClusterConfig:
+def sized_from_nodes(cluster: RayClusterConfig, nodes: list[Node]) -> RayClusterConfig:
     """Fill in auto counts from the host nodes present now.
 
     A count given explicitly is kept even when the cluster has fewer nodes now: an

@@ -16,7 +16,7 @@ from training.parallel.mesh import MeshShape, resolve_mesh
 
 
 @dataclass(frozen=True)
-class Plan:
+class Checked:
     """What preflight settled: the mesh to build and the variables the model will have."""
 
     mesh: MeshShape
@@ -41,7 +41,7 @@ def check_sizes(cfg: RunConfig) -> MeshShape:
     return mesh
 
 
-def preflight(cfg: RunConfig) -> Plan:
+def preflight(cfg: RunConfig) -> Checked:
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = check_sizes(cfg)
     dataset = build_dataset(cfg.data)
@@ -65,13 +65,13 @@ def preflight(cfg: RunConfig) -> Plan:
         if cfg.checkpoint.enabled
         else None
     )
-    return Plan(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout)
+    return Checked(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout)
 
 
-def with_layout(cfg: RunConfig, plan: Plan) -> RunConfig:
+def with_layout(cfg: RunConfig, checked: Checked) -> RunConfig:
     """The config the hosts get: with strategy.layout=auto, the rules derived here as the
     model's own (so no host derives them)."""
-    return auto_layout.settled(cfg, plan.layout) if plan.layout else cfg
+    return auto_layout.settled(cfg, checked.layout) if checked.layout else cfg
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:

@@ -1,6 +1,6 @@
 """The driver side of a run: place one actor per host, supervise them, write the results.
 
-The coordinator watches two things while hosts train: an actor that died or raised, and
+The supervisor watches two things while hosts train: an actor that died or raised, and
 an actor that is stuck (`Watchdog`): still starting after `fault.startup_timeout_s`, or once
 training without a finished step, or in one evaluation or save, for `fault.step_timeout_s`
 (stuck in a collective, say). Either stops every host, since a JAX cluster cannot go on
@@ -50,7 +50,7 @@ from training.driver.metrics import (
     steady_examples_per_second,
     write_json,
 )
-from training.driver.preflight import Plan
+from training.driver.preflight import Checked
 from training.driver.tensorboard import ScalarWriter
 from training.gpus import RESOURCE_PREFIX, host_gpus
 from training.host.actor import HostActor, host_environment
@@ -397,24 +397,24 @@ class Watchdog:
         return max(p.step for p in self.hosts)
 
 
-class Coordinator:
+class Supervisor:
     def __init__(
         self,
         cfg: RunConfig,
-        plan: Plan,
+        checked: Checked,
         output_dir: Path,
         display: ProgressDisplay,
         first_group: HostGroup | None = None,
     ):
         """`first_group`: a host group already requested for this run (see `run_training`);
         without one the run requests its own."""
-        self.cfg, self.plan, self.output_dir, self.display = cfg, plan, output_dir, display
+        self.cfg, self.checked, self.output_dir, self.display = cfg, checked, output_dir, display
         # The group the next host group start takes: the first, then a spare for a restart.
         self.next_group = first_group
         self.metrics = MetricsLog(
-            plan.hosts,
+            checked.hosts,
             output_dir / "metrics.jsonl",
-            perplexity=plan.data_spec.num_classes is not None,
+            perplexity=checked.data_spec.num_classes is not None,
         )
         self.log = RunLog(output_dir, display.console)
         self.scalars = ScalarWriter(output_dir)
@@ -422,11 +422,11 @@ class Coordinator:
         self.identities: list[dict] = []
         self.restarts: list[dict] = []
         self.compiles: dict[int, dict] = {}  # each host's train step: seconds, cache outcome
-        self.coverage = RowCoverage(plan.dataset, cfg.trainer)
+        self.coverage = RowCoverage(checked.dataset, cfg.trainer)
         # Where the run's first host group resumed, as the hosts saw checkpoint.dir (on a
         # cluster the driver may not see it at all).
         self.resumed_from_step: int | None = None
-        self.watchdog = Watchdog(plan.hosts, cfg.fault)
+        self.watchdog = Watchdog(checked.hosts, cfg.fault)
         self.stop_signal: int | None = None
         self._started = time.perf_counter()
         self._started_at = time.time()
@@ -492,7 +492,7 @@ class Coordinator:
                 "failed_at_step": reached,
                 "resumed_from_step": resume,
                 "steps_redone": max(reached - resume, 0),
-                # From the failed host's last report to the coordinator noticing.
+                # From the failed host's last report to the supervisor noticing.
                 "detection_seconds": failure.silent_s,
                 # From noticing (before the failed group is stopped) to the fresh group's
                 # first step, set when it reports; and when it reached each phase before.
@@ -522,7 +522,7 @@ class Coordinator:
             init_timeout = self.cfg.fault.startup_timeout_s
             calls = {
                 actor.train.remote(
-                    self.cfg, self.plan.mesh, coordinator, inbox, init_timeout, os.getcwd()
+                    self.cfg, self.checked.mesh, coordinator, inbox, init_timeout, os.getcwd()
                 ): host
                 for host, actor in enumerate(group.actors)
             }
@@ -545,7 +545,7 @@ class Coordinator:
             ) from None
 
     def _supervise(self, calls: dict, inbox: Queue, actors: list) -> list[dict]:
-        self.watchdog = watchdog = Watchdog(self.plan.hosts, self.cfg.fault)
+        self.watchdog = watchdog = Watchdog(self.checked.hosts, self.cfg.fault)
         results: dict[int, dict] = {}
         stop_sent = False
         with self.display:
@@ -654,10 +654,10 @@ class Coordinator:
             last["recovery_seconds"] = time.monotonic() - last.pop("_detected")
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
-        if fingerprint != self.plan.data_spec.fingerprint:
+        if fingerprint != self.checked.data_spec.fingerprint:
             raise HostFailure(
                 f"host {host} reads different data than the driver checked (data fingerprint "
-                f"{fingerprint[:12]} vs {self.plan.data_spec.fingerprint[:12]}): every host "
+                f"{fingerprint[:12]} vs {self.checked.data_spec.fingerprint[:12]}): every host "
                 "needs the same files (data.root, data.glob) and data settings; stopped all hosts"
             )
 
@@ -676,14 +676,14 @@ class Coordinator:
             last["recovery_phases"].setdefault(phase, time.monotonic() - last["_detected"])
 
     def _summary(self, status: str, results: list[dict], error: BaseException | None = None):
-        cfg, plan, records = self.cfg, self.plan, self.metrics.records
+        cfg, checked, records = self.cfg, self.checked, self.metrics.records
         summary = {
             "status": status,
             "strategy": cfg.strategy.name,
-            "mesh": plan.mesh.as_dict(),
-            "hosts": plan.hosts,
-            "devices_per_host": plan.devices_per_host,
-            "devices_total": plan.mesh.devices,
+            "mesh": checked.mesh.as_dict(),
+            "hosts": checked.hosts,
+            "devices_per_host": checked.devices_per_host,
+            "devices_total": checked.mesh.devices,
             "steps": cfg.trainer.steps,
             "global_batch": cfg.trainer.global_batch,
             "loss_history": [r["loss"] for r in records],
@@ -695,7 +695,7 @@ class Coordinator:
             "hosts_agree_on_loss": all(
                 r["hosts_agree"] and r.get("eval_hosts_agree", True) for r in records
             ),
-            **_held_out_summary(records, plan.data_spec.baseline_loss),
+            **_held_out_summary(records, checked.data_spec.baseline_loss),
             "examples_per_second": steady_examples_per_second(records) if records else None,
             "per_host_step_seconds": per_host_step_seconds(records) if records else None,
             "wall_seconds": time.perf_counter() - self._started,
@@ -714,7 +714,7 @@ class Coordinator:
             "resumed_from_step": (
                 self.resumed_from_step
                 if self.resumed_from_step is not None
-                else plan.resume_step or 0
+                else checked.resume_step or 0
             ),
             "restarts": len(self.restarts),
             "failures": [
