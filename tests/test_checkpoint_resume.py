@@ -18,17 +18,11 @@ from hydra_plugins.training_launcher.host_group_launcher import (
 )
 from tests.conftest import FAST, run_config
 from tests.test_checkpoint import HYBRID, snapshot, trained_checkpoint
-from training import checkpoint
-from training.checkpoint import (
-    CheckpointError,
-    HostCheckpoints,
-    agree_on_directory,
-    check_host_views,
-    checkpoint_path,
-    host_view,
-)
+from training.checkpoint.storage import CheckpointError, checkpoint_path, open_manager
+from training.checkpoint.views import check_host_views, host_view
 from training.config import CheckpointConfig, ConfigError
 from training.driver.preflight import preflight
+from training.host.checkpoints import HostCheckpoints, agree_on_directory
 from training.host.trainer import build_on_grid
 from training.parallel.mesh import MeshShape, device_grid
 
@@ -178,7 +172,7 @@ def test_a_bucket_url_stays_a_url_and_reaches_orbax_as_one(monkeypatch, tmp_path
 
     seen = []
     monkeypatch.setattr(ocp, "CheckpointManager", lambda directory, **_: seen.append(directory))
-    checkpoint._manager(CheckpointConfig(dir="gs://bucket/runs/one"), read_only=True)
+    open_manager(CheckpointConfig(dir="gs://bucket/runs/one"), read_only=True)
     (directory,) = seen
     assert str(directory) == "gs://bucket/runs/one" and not Path(str(directory)).exists()
     assert type(directory).__name__ != "PosixPath"  # an epath GPath: orbax's URL handling

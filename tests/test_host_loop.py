@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_config
-from training.checkpoint import newest_step
+from training.checkpoint.inspection import newest_step
 from training.host.actor import trainer
 from training.host.phases import Phase
 from training.parallel.mesh import MeshShape, device_grid

@@ -433,7 +433,7 @@ class CheckpointConfig:
 
 # Bucket URLs orbax (tensorstore for the arrays, etils.epath for the rest) writes to.
 CHECKPOINT_URL_SCHEMES = ("gs", "s3")
-# What a checkpoint's record says a resume must match (training.checkpoint.resume_record).
+# What a checkpoint's record says a resume must match (training.checkpoint.record.resume_record).
 RECORD_ROOTS = (
     "model",
     "optimizer",

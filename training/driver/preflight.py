@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from training import models
-from training.checkpoint import inspect_checkpoints
+from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.data import Dataset, DataSpec, build_dataset
 from training.models import LayoutRules, VariableInfo

@@ -32,7 +32,8 @@ from ray.util.placement_group import (
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from training.checkpoint import directory_bytes, newest_step
+from training.checkpoint.inspection import newest_step
+from training.checkpoint.storage import directory_bytes
 from training.config import ClusterConfig, ConfigError, FaultConfig, RunConfig
 from training.driver.cluster import (
     alive_nodes,

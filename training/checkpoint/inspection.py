@@ -1,0 +1,91 @@
+"""The driver's look at checkpoint.dir before any actor starts.
+
+The driver reads only the JSON record and the array metadata, so a checkpoint of another
+run, a corrupt one or an unwritable directory is an error before any actor starts where
+the driver sees the directory.
+"""
+
+from __future__ import annotations
+
+from training.checkpoint.record import check_format, record_differences, refusal, resume_record
+from training.checkpoint.storage import (
+    RECORD,
+    STATE,
+    CheckpointError,
+    check_writable,
+    checkpoint_path,
+    open_manager,
+    unreadable,
+)
+from training.config import CheckpointConfig, ConfigError, RunConfig, url_scheme
+from training.models import VariableInfo
+
+
+def inspect_checkpoints(
+    cfg: RunConfig, variables: list[VariableInfo], data_fingerprint: str
+) -> int | None:
+    """The step of the newest checkpoint in checkpoint.dir as the driver sees it (None: a
+    fresh start), after checking that the directory is writable, the checkpoint readable
+    and of this run.
+
+    The driver is not a host: on a Ray cluster a filesystem path it does not have is left
+    to the hosts to check (`training.host.checkpoints.agree_on_directory`), and nothing is
+    created on the driver."""
+    directory = checkpoint_path(cfg.checkpoint.dir)
+    remote_hosts = cfg.cluster.name != "local" and not url_scheme(cfg.checkpoint.dir)
+    if remote_hosts and not directory.exists():
+        return None
+    check_writable(directory)
+    if not directory.exists():
+        return None
+    try:
+        manager = open_manager(cfg.checkpoint, read_only=True)
+        step = manager.latest_step()
+    except Exception as error:
+        raise ConfigError(unreadable(directory, None, error)) from None
+    if step is None:
+        return None
+    record = read_record(manager, directory, step)
+    try:
+        check_format(record, str(directory), step)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    found = record_differences(
+        record,
+        resume_record(cfg, data_fingerprint),
+        {v.path: list(v.shape) for v in variables},
+        cfg.checkpoint.allow_changes,
+    )
+    if found.stop:
+        raise ConfigError(refusal(str(directory), step, found))
+    if step >= cfg.trainer.steps:
+        raise ConfigError(
+            f"the newest checkpoint in {directory} is at step {step}, which already reaches "
+            f"trainer.steps={cfg.trainer.steps}; raise trainer.steps to train further"
+        )
+    return step
+
+
+def newest_step(cfg: CheckpointConfig) -> int | None:
+    """The newest step in checkpoint.dir as this process sees it; None where it has none
+    (or, on the driver of a cluster, cannot see the directory)."""
+    try:
+        if not checkpoint_path(cfg.dir).exists():
+            return None
+        return open_manager(cfg, read_only=True).latest_step()
+    except Exception:
+        return None
+
+
+def read_record(manager, directory, step: int) -> dict:
+    """The JSON record of a step, after checking its arrays' metadata is readable too."""
+    import orbax.checkpoint as ocp
+
+    try:
+        record = manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))
+        arrays = manager.item_metadata(step)[STATE]
+        if arrays is None:
+            raise CheckpointError(f"no array metadata under {STATE}/")
+    except Exception as error:
+        raise ConfigError(unreadable(directory, step, error)) from None
+    return record[RECORD]

@@ -1,0 +1,216 @@
+"""This host's part in checkpoints: agreeing with the other hosts on checkpoint.dir, then
+saving and restoring the shards it holds.
+
+Arrays are saved and restored by key, never by list position: model variables by their
+path (`block_0_up/kernel`), optimizer variables by their path without the optimizer's own
+name (`block_0_up_kernel_momentum`, `iteration`), which is the same in a fresh process and
+in one that built another optimizer before (`adam_1/...`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from training.checkpoint.record import (
+    FORMAT,
+    check_format,
+    record_differences,
+    refusal,
+    resume_record,
+)
+from training.checkpoint.storage import (
+    RECORD,
+    STATE,
+    CheckpointError,
+    checkpoint_path,
+    open_manager,
+    probe_writable,
+    unreadable,
+)
+from training.checkpoint.views import (
+    check_host_views,
+    describe_host,
+    host_identity,
+    host_view,
+    remove_marker,
+    write_marker,
+)
+from training.config import RunConfig
+
+# Optimizer variables the config owns: a resume takes them from this run's config (an
+# allowed learning-rate change must take effect), not from the checkpoint.
+CONFIG_OWNED = ("learning_rate",)
+# Bytes of one host's view of checkpoint.dir, as JSON, when hosts exchange them.
+VIEW_BYTES = 4096
+
+
+def agree_on_directory(directory: str) -> int | None:
+    """Collective: every process of the JAX cluster must call it at the same point, after
+    `jax.distributed.initialize` (HostCheckpoints does, when it is created). Host 0 writes a
+    marker, every host reports its `host_view`, and all check them alike: each returns the
+    newest step they all see, or each raises the same CheckpointError."""
+    import jax
+
+    me = jax.process_index()
+    token = None
+    if me == 0 and probe_writable(checkpoint_path(directory)) is None:
+        token = write_marker(directory)
+    # The first exchange also makes every host wait until the marker exists.
+    first = _exchange({"token": token, **host_identity(me)})
+    token, writer = first[0]["token"], describe_host(first[0], 0)
+    views = _exchange(host_view(directory, token, me))
+    if me == 0 and token is not None:
+        remove_marker(directory, token)
+    return check_host_views(directory, views, token, writer)
+
+
+def _exchange(value: dict) -> list[dict]:
+    """Every process's `value` (JSON), in process order."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = json.dumps(value).encode()
+    if len(data) > VIEW_BYTES:
+        raise CheckpointError(f"a host's view of checkpoint.dir is too long: {data[:200]!r}")
+    buffer = np.zeros(VIEW_BYTES, np.uint8)
+    buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer)).reshape(-1, VIEW_BYTES)
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in gathered]
+
+
+def keyed_variables(model) -> dict[str, dict]:
+    """The model's and optimizer's variables by a key stable across processes: a model
+    variable's path; an optimizer variable's path without the optimizer's name (Keras makes
+    that name unique per process: adam, adam_1, ...)."""
+    groups = {
+        "model": [(v.path, v) for v in model.variables],
+        "optimizer": [(v.path.split("/", 1)[-1], v) for v in model.optimizer.variables],
+    }
+    keyed = {}
+    for group, pairs in groups.items():
+        keys = [key for key, _ in pairs]
+        if duplicates := sorted({k for k in keys if keys.count(k) > 1}):
+            raise CheckpointError(
+                f"several {group} variables have the path {', '.join(duplicates)}: checkpoints "
+                "pair arrays with variables by path; give the layers distinct names"
+            )
+        keyed[group] = dict(pairs)
+    return keyed
+
+
+class HostCheckpoints:
+    """This host's part in saving and restoring the model's and optimizer's variables; every
+    host creates it and calls each method at the same step (orbax synchronises them).
+
+    Creating it is collective (`agree_on_directory`): hosts agree on checkpoint.dir and its
+    newest step before anything is restored. `data_fingerprint` is the fingerprint of the
+    data this host reads (`dataset.spec.fingerprint`); without it the dataset is built again
+    to read it."""
+
+    def __init__(self, cfg: RunConfig, model, data_fingerprint: str | None = None):
+        self.cfg = cfg.checkpoint
+        self.model = model
+        self.accumulate = cfg.trainer.accumulate
+        if data_fingerprint is None:
+            from training.data import build_dataset
+
+            data_fingerprint = build_dataset(cfg.data).spec.fingerprint
+        self.resume = resume_record(cfg, data_fingerprint)
+        self.variables = keyed_variables(model)
+        self.saved_step: int | None = agree_on_directory(self.cfg.dir)
+        self.manager = open_manager(self.cfg, read_only=False)
+
+    def _shapes(self, group: str) -> dict[str, list[int]]:
+        return {key: list(v.shape) for key, v in self.variables[group].items()}
+
+    def _check_record(self, step: int) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+
+        args = ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()})
+        try:
+            record = self.manager.restore(step, args=args)[RECORD]
+        except Exception as error:
+            raise CheckpointError(unreadable(self.cfg.dir, step, error)) from error
+        check_format(record, self.cfg.dir, step)
+        found = record_differences(
+            record,
+            self.resume,
+            self._shapes("model"),
+            self.cfg.allow_changes,
+            self._shapes("optimizer"),
+        )
+        if found.stop:
+            raise CheckpointError(refusal(self.cfg.dir, step, found))
+        if found.allowed and jax.process_index() == 0:
+            warnings.warn(
+                f"resuming from step {step} with changes checkpoint.allow_changes allows: "
+                + "; ".join(found.allowed),
+                stacklevel=2,
+            )
+
+    def restore_newest(self) -> int:
+        """Load the newest checkpoint (the step every host agreed on) onto this model's
+        variables by key, resharded onto its current layout; return its step (0 when there
+        is none)."""
+        return 0 if self.saved_step is None else self.restore(self.saved_step)
+
+    def restore(self, step: int) -> int:
+        """Load checkpoint `step` after checking its record against this run; every host
+        must call it with the same step."""
+        import jax
+        import orbax.checkpoint as ocp
+
+        self._check_record(step)
+        # The targets are this run's arrays: orbax reads each device's shard of every
+        # variable whatever mesh wrote it.
+        targets = {
+            group: {
+                key: jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
+                for key, v in variables.items()
+            }
+            for group, variables in self.variables.items()
+        }
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(targets)})
+            )[STATE]
+        except Exception as error:
+            raise CheckpointError(
+                f"could not restore step {step} from checkpoint.dir={self.cfg.dir}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for group, variables in self.variables.items():
+            for key, variable in variables.items():
+                if group == "optimizer" and key in CONFIG_OWNED:
+                    continue
+                variable.assign(restored[group][key])
+        return step
+
+    def save(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+
+        state = {
+            group: {key: v.value for key, v in variables.items()}
+            for group, variables in self.variables.items()
+        }
+        record = {
+            "format": FORMAT,
+            "step": step,
+            "data_batch": step * self.accumulate,
+            "resume": self.resume,
+            "variables": self._shapes("model"),
+            "optimizer_variables": self._shapes("optimizer"),
+        }
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)}
+            ),
+        )
+        self.manager.wait_until_finished()
+        self.saved_step = step
+
+    def close(self) -> None:
+        self.manager.close()
