@@ -1,0 +1,19 @@
+"""What every config group's schema shares: its error and its checks."""
+
+from __future__ import annotations
+
+AUTO = -1  # a mesh axis of this size takes all remaining devices
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one clear message before anything expensive starts."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")
