@@ -42,7 +42,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 from training.config import CheckpointConfig, ConfigError, RunConfig, url_scheme
-from training.models import VariableInfo
+from training.contracts import VariableInfo
 
 STATE, RECORD = "state", "record"
 # Bumped when what a checkpoint holds changes so that older ones cannot be restored.

@@ -14,7 +14,7 @@ from training.config.strategy import checked_layout_rules
 @dataclass
 class ModelConfig:
     """A model is a builder function, a loss and a layout; the built-in models and a user's
-    own are defined the same way (see `training.models`).
+    own are defined the same way (see `training.contracts`).
 
     `build`, `loss` and `layout` name Python objects as `module:function`; the module is
     looked for in the run's working directory first, then in installed packages."""
