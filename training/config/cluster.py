@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional
 
-from training.config.common import AUTO, require
+from training.config.common import AUTO, require, require_size_or_auto
 
 LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
 
@@ -34,12 +34,12 @@ class LocalClusterConfig:
     host_resource: ClassVar[Optional[str]] = None
 
     def __post_init__(self) -> None:
-        for key in ("hosts", "devices_per_host"):
-            size = getattr(self, key)
-            require(
-                size == AUTO or size >= 1,
-                f"cluster.{key}={size}: use a positive number, or -1 to derive it",
-            )
+        require_size_or_auto(
+            self,
+            "cluster",
+            ("hosts", "devices_per_host"),
+            "use a positive number, or -1 to derive it",
+        )
         require(
             self.platform in LOCAL_PLATFORMS,
             f"cluster.platform={self.platform!r} is not one of {', '.join(LOCAL_PLATFORMS)}",
@@ -80,12 +80,12 @@ class RayClusterConfig:
     placement_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for key in ("hosts", "devices_per_host"):
-            size = getattr(self, key)
-            require(
-                size == AUTO or size >= 1,
-                f"cluster.{key}={size}: use a positive number, or -1 to read it from the cluster",
-            )
+        require_size_or_auto(
+            self,
+            "cluster",
+            ("hosts", "devices_per_host"),
+            "use a positive number, or -1 to read it from the cluster",
+        )
         require(self.platform in ("cpu", "gpu"), "cluster.platform must be 'cpu' or 'gpu'")
         require(self.host_resource != "", "cluster.host_resource must be a resource name or null")
 

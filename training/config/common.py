@@ -17,3 +17,10 @@ def require(condition: bool, message: str) -> None:
 def require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
     for key in keys:
         require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")
+
+
+def require_size_or_auto(node: object, group: str, keys: tuple[str, ...], use: str) -> None:
+    """Each key a positive size or AUTO; `use` says what AUTO stands for."""
+    for key in keys:
+        size = getattr(node, key)
+        require(size == AUTO or size >= 1, f"{group}.{key}={size}: {use}")

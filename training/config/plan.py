@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config.common import AUTO, require
+from training.config.common import AUTO, require, require_size_or_auto
 
 
 @dataclass
@@ -38,10 +38,11 @@ class PlanConfig:
             require(getattr(self, key) > 0, f"plan.{key} must be > 0")
         require(self.latency_us >= 0, "plan.latency_us must be >= 0")
         require(self.min_examples_per_device >= 1, "plan.min_examples_per_device must be >= 1")
-        require(
-            self.devices_per_host == AUTO or self.devices_per_host >= 1,
-            f"plan.devices_per_host={self.devices_per_host}: use a positive number, or -1 for "
-            "cluster.devices_per_host",
+        require_size_or_auto(
+            self,
+            "plan",
+            ("devices_per_host",),
+            "use a positive number, or -1 for cluster.devices_per_host",
         )
 
     def link_gb_per_s(self, across_hosts: bool) -> float:

@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from training.config.common import AUTO, require
+from training.config.common import AUTO, require, require_size_or_auto
 
 STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
 # strategy.layout: the model's own rules, or rules derived from its structure
@@ -49,12 +49,9 @@ class MeshConfig:
     model: int = AUTO
 
     def __post_init__(self) -> None:
-        for axis in ("data", "model"):
-            size = getattr(self, axis)
-            require(
-                size == AUTO or size >= 1,
-                f"mesh.{axis}={size}: use a positive size, or -1 for all remaining devices",
-            )
+        require_size_or_auto(
+            self, "mesh", ("data", "model"), "use a positive size, or -1 for all remaining devices"
+        )
 
 
 def checked_layout_rules(key: str, rules: Any) -> dict[str, list[str | None]]:
