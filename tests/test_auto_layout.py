@@ -30,9 +30,9 @@ from tests.test_tensor_parallel import (
 )
 from tests.test_transformer import TINY as TINY_TEXT
 from training.config import ConfigError
+from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.data import build_dataset
 from training.driver.display import print_layout
-from training.models import ACTIVATION_RULE_SUFFIX
 from training.parallel import collectives
 from training.parallel.auto_layout import REPLICATED_BELOW, derive, derive_for_config
 from training.parallel.compiled import measure_step

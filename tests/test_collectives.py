@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from training.models import VariableInfo
+from training.contracts import VariableInfo
 from training.parallel.collectives import Collective, from_hlo
 from training.parallel.costs import variable_bytes
 from training.parallel.dtypes import dtype_bytes, hlo_dtype_bytes

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from training.config import ArrayDataConfig, ConfigError, TokenDataConfig
+from training.contracts import ArraySpec
 from training.data import (
     DATASETS,
-    ArraySpec,
     build_dataset,
     prior_cross_entropy,
 )

@@ -4,8 +4,8 @@ import pytest
 
 from tests.conftest import run_config
 from training.config import ConfigError
+from training.contracts import VariableInfo
 from training.driver.preflight import check_layout_rules, preflight
-from training.models import VariableInfo
 from training.parallel.mesh import MeshShape
 
 VARIABLES = [

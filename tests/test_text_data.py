@@ -8,7 +8,8 @@ import pytest
 
 from tests.conftest import fake_devices, run_config
 from training.config import ConfigError, TextDataConfig
-from training.data import ArraySpec, build_dataset
+from training.contracts import ArraySpec
+from training.data import build_dataset
 from training.data.text import TextCorpus
 from training.parallel.mesh import MeshShape, device_grid, host_batch_rows
 

@@ -18,7 +18,7 @@ from training.checkpoint.storage import (
     unreadable,
 )
 from training.config import CheckpointConfig, ConfigError, RunConfig, url_scheme
-from training.models import VariableInfo
+from training.contracts import VariableInfo
 
 
 def inspect_checkpoints(

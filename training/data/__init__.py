@@ -13,55 +13,11 @@ by model input name, and `rows(...)` with the same arguments: the ids of the exa
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from training.config import DataConfig
-
-SPLITS = ("train", "held_out")
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """One example's shape and dtype (the batch dimension left out)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    def describe(self) -> str:
-        return f"{self.dtype} {list(self.shape)}"
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What a model needs to know about its data, and what hosts must agree on."""
-
-    # One array, or a dict by model input name (a model with several named inputs).
-    inputs: ArraySpec | dict[str, ArraySpec]
-    labels: ArraySpec
-    examples: int  # in the training split (windows, for token streams)
-    fingerprint: str  # hosts that read different data would train on garbage
-    # Classes, or the vocabulary of a token stream, where labels are class ids; else None.
-    num_classes: int | None = None
-    # Held-out loss of a model that knows only how often each label occurs in training:
-    # a trained model must beat it. None where labels are not class ids.
-    baseline_loss: float | None = None
-    # Positions a loss averages over per example: the tokens of a sequence, else 1.
-    positions_per_example: int = 1
-
-
-class Dataset(Protocol):
-    spec: DataSpec
-
-    def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple:
-        """(x, y) of rows `rows` of batch `index` of a split."""
-        ...
-
-    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
-        """Ids of the examples (rows, windows) that `batch` with these arguments reads."""
-        ...
+from training.contracts import Dataset
 
 
 def batch_positions(index: int, batch_size: int, rows: slice, count: int) -> np.ndarray:

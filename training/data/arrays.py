@@ -29,10 +29,8 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from training.config import ArrayDataConfig, ConfigError
+from training.contracts import SPLITS, ArraySpec, DataSpec
 from training.data import (
-    SPLITS,
-    ArraySpec,
-    DataSpec,
     EpochOrder,
     in_file_order,
     prior_cross_entropy_of_counts,

@@ -7,7 +7,8 @@ import hashlib
 import numpy as np
 
 from training.config import SyntheticDataConfig
-from training.data import ArraySpec, DataSpec, batch_positions, prior_cross_entropy
+from training.contracts import ArraySpec, DataSpec
+from training.data import batch_positions, prior_cross_entropy
 
 
 class SyntheticClassification:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ConfigError, TextDataConfig
-from training.data import ArraySpec, DataSpec, batch_positions, prior_cross_entropy
+from training.contracts import ArraySpec, DataSpec
+from training.data import batch_positions, prior_cross_entropy
 
 VOCAB = 256  # bytes
 

@@ -19,10 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ConfigError, TokenDataConfig
+from training.contracts import SPLITS, ArraySpec, DataSpec
 from training.data import (
-    SPLITS,
-    ArraySpec,
-    DataSpec,
     EpochOrder,
     in_file_order,
     sampled_fingerprint,

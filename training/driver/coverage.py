@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from training.config import TrainerConfig
-from training.data import Dataset
+from training.contracts import Dataset
 
 
 class WrongRows(RuntimeError):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from training import models
 from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
-from training.data import Dataset, DataSpec, build_dataset
-from training.models import LayoutRules, VariableInfo
+from training.contracts import ACTIVATION_RULE_SUFFIX, Dataset, DataSpec, LayoutRules, VariableInfo
+from training.data import build_dataset
 from training.parallel import auto_layout
 from training.parallel.mesh import MeshShape, resolve_mesh
 
@@ -100,7 +100,7 @@ def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: 
     """Every variable rule must match a variable, fit its rank and split its dimensions
     evenly (activation rules are left to Keras, which applies them while building)."""
     axis_sizes = {"data": mesh.data, "model": mesh.model, None: 1}
-    rules = {p: a for p, a in rules.items() if not p.endswith(models.ACTIVATION_RULE_SUFFIX)}
+    rules = {p: a for p, a in rules.items() if not p.endswith(ACTIVATION_RULE_SUFFIX)}
     listing = "\n  ".join(f"{v.path} {list(v.shape)}" for v in variables)
     for pattern, axes in rules.items():
         matched = [v for v in variables if re.fullmatch(pattern, v.path)]

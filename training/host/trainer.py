@@ -14,7 +14,8 @@ import numpy as np
 
 from training import models
 from training.config import RunConfig, TrainerConfig
-from training.data import Dataset, build_dataset
+from training.contracts import Dataset
+from training.data import build_dataset
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.loop import COUNTS, CompiledStep, Prefetcher

@@ -1,56 +1,36 @@
-"""The model contract: what every model, the built-in ones and a user's own, provides.
+"""Models built from their config and checked against their data, and their layout rules.
 
-A model is three things, named in the `model` config group:
-
-- `model.build`: `module:function`, called with `model.kwargs` on every host after the
-  distribution is set. It returns an uncompiled `keras.Model`: functional, Sequential or
-  subclassed, with one input or several named ones (fed from data arrays `x_<input name>`).
-- `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
-  `module:function` returning a loss.
-- The layout: `model.layout_rules`, regexes full-matched against variable paths (or
-  `<layer path>/output` for a layer's activation) mapped to one of `data`, `model` or null
-  per dimension; and/or `model.layout=module:function`, called with the keras `DeviceMesh`
-  (axes `data` and `model`), returning such a dict or a `keras.distribution.LayoutMap`.
-
-Modules are found from the working directory first, then installed packages. The built-in
-models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the same way.
+What a model provides, the built-in ones and a user's own alike, is `training.contracts`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from training.config import ConfigError, ModelConfig
-from training.data import ArraySpec, DataSpec
+from training.contracts import (
+    MESH_AXES,
+    ArraySpec,
+    BuildModel,
+    DataSpec,
+    LayoutFunction,
+    LayoutRules,
+    VariableInfo,
+)
 from training.models.locate import locate
-
-# A layout rule maps a regex, full-matched against a variable path such as
-# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension. A rule for
-# `<layer path>/output` lays out that layer's output instead (an activation rule).
-LayoutRules = dict[str, tuple[str | None, ...]]
-ACTIVATION_RULE_SUFFIX = "/output"
-MESH_AXES = ("data", "model")
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).
 SPLIT_THRESHOLD_BYTES = 16 * 1024
 
 
-@dataclass(frozen=True)
-class VariableInfo:
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
 def build_model(cfg: ModelConfig, data_spec: DataSpec):
     """Call the model's build function and build its variables for the data's inputs."""
     import keras
 
-    build = locate("model.build", cfg.build)
+    build: BuildModel = locate("model.build", cfg.build)
     try:
         model = build(**cfg.build_kwargs())
     except ConfigError:
@@ -273,7 +253,7 @@ def layout_rules(
 def _rules_from_layout_function(cfg: ModelConfig, mesh_shape, devices) -> LayoutRules:
     from keras import distribution as kd
 
-    layout = locate("model.layout", cfg.layout)
+    layout: LayoutFunction = locate("model.layout", cfg.layout)
     if devices is None:  # the driver: stand-ins, since the rules only name the axes
         devices = np.arange(int(np.prod(mesh_shape)))
     mesh = kd.DeviceMesh(tuple(mesh_shape), list(MESH_AXES), devices=devices)

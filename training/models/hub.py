@@ -23,9 +23,9 @@ from typing import Any
 import keras
 
 from training.config import ConfigError
+from training.contracts import MESH_AXES
 
-DATA_AXIS = "data"
-MODEL_AXIS = "model"
+DATA_AXIS, MODEL_AXIS = MESH_AXES
 INPUT_NAME = "tokens"
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
 FED_INPUTS = {"token_ids", "padding_mask"}

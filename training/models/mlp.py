@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import keras
 
+from training.contracts import LayoutRules
+
 RULES = {
     r"block_\d+_up/kernel": (None, "model"),
     r"block_\d+_up/bias": ("model",),
@@ -16,7 +18,7 @@ RULES = {
 }
 
 
-def layout_rules(device_mesh) -> dict:
+def layout_rules(device_mesh) -> LayoutRules:
     return dict(RULES)
 
 

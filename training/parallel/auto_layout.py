@@ -31,7 +31,8 @@ import re
 from dataclasses import dataclass, replace
 
 from training.config import AUTO_LAYOUT, RunConfig
-from training.models import ACTIVATION_RULE_SUFFIX, SPLIT_THRESHOLD_BYTES, LayoutRules
+from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
+from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel.tensor_parallel import PARTIAL, REPLICATED, _Derivation, _graph
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn

@@ -16,9 +16,9 @@ import numpy as np
 
 from training import models
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
-from training.data import DataSpec
+from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.host.trainer import DTYPE_POLICIES
-from training.models import LayoutRules, VariableInfo, rule_axes
+from training.models import rule_axes
 from training.optimizers import build_optimizer
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, sent_bytes

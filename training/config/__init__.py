@@ -1,0 +1,157 @@
+"""Typed configuration: one dataclass per config group option, registered with Hydra.
+
+A module here per group of `conf/` (`strategy.py` holds `mesh` too; `fault`, `plan` and `sweep`
+have no options to pick, only their one schema). Each YAML file under `conf/<group>/` extends
+the schema stored for its option, so a wrong type or an unknown key is rejected by Hydra when
+the config is composed. Cross-field rules (mesh against cluster, batch against mesh) live in
+`training.driver.preflight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
+
+from training.config.checkpoint import CheckpointConfig, url_scheme
+from training.config.cluster import ClusterConfig, LocalClusterConfig, RayClusterConfig
+from training.config.common import AUTO, ConfigError, require
+from training.config.data import (
+    ArrayDataConfig,
+    DataConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+    TokenDataConfig,
+)
+from training.config.fault import FaultConfig
+from training.config.model import HubModelConfig, ModelConfig
+from training.config.optimizer import AdamConfig, OptimizerConfig, SGDConfig
+from training.config.plan import PlanConfig
+from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyConfig
+from training.config.sweep import SweepConfig
+from training.config.trainer import TrainerConfig
+
+__all__ = [
+    "AUTO",
+    "AUTO_LAYOUT",
+    "LAYOUTS",
+    "AdamConfig",
+    "ArrayDataConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "FaultConfig",
+    "HubModelConfig",
+    "LocalClusterConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PlanConfig",
+    "RayClusterConfig",
+    "RunConfig",
+    "SGDConfig",
+    "StrategyConfig",
+    "SweepConfig",
+    "SyntheticDataConfig",
+    "TextDataConfig",
+    "TokenDataConfig",
+    "TrainerConfig",
+    "compose_run_config",
+    "register_configs",
+    "to_run_config",
+    "url_scheme",
+]
+
+CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+
+
+@dataclass
+class RunConfig:
+    # Group options have their own schemas, so the root types them as Any; `to_run_config`
+    # turns every node into its option's dataclass.
+    strategy: StrategyConfig = MISSING
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    cluster: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.fault.max_restarts == 0 or self.checkpoint.enabled,
+            f"fault.max_restarts={self.fault.max_restarts} needs checkpoint.dir: a fresh host "
+            "group resumes from the newest checkpoint",
+        )
+
+
+SCHEMAS = {
+    "strategy": {"strategy": StrategyConfig},
+    "mesh": {"mesh": MeshConfig},
+    "model": {"keras": ModelConfig, "hub": HubModelConfig},
+    "data": {
+        "synthetic": SyntheticDataConfig,
+        "text": TextDataConfig,
+        "arrays": ArrayDataConfig,
+        "tokens": TokenDataConfig,
+    },
+    "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
+    "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
+    "trainer": {"trainer": TrainerConfig},
+    "checkpoint": {"checkpoint": CheckpointConfig},
+}
+
+
+def register_configs() -> None:
+    """Store every schema as `schema/<group>/<name>`, for the YAML options to extend."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, options in SCHEMAS.items():
+        for name, schema in options.items():
+            store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """Resolve the composed config into plain dataclasses (the only form passed to actors)."""
+    if isinstance(cfg, RunConfig):
+        return settled_for_this_machine(cfg)
+    try:
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except MissingMandatoryValue as error:
+        raise ConfigError(
+            f"{error.full_key} has no default: give it on the command line ({error.full_key}=...)"
+        ) from None
+    except Exception as error:  # omegaconf reports type errors with its own exception types
+        raise ConfigError(str(error)) from None
+    require(isinstance(run, RunConfig), "the root config must extend run_schema")
+    return settled_for_this_machine(run)
+
+
+def settled_for_this_machine(run: RunConfig) -> RunConfig:
+    """A local cluster's platform, hosts and devices settled for this machine's GPUs."""
+    if not isinstance(run.cluster, LocalClusterConfig):
+        return run
+    from training.gpus import discover_gpus, resolve_local
+
+    cluster = run.cluster
+    found = discover_gpus() if cluster.platform != "cpu" else []
+    return replace(run, cluster=resolve_local(cluster, found))
+
+
+def compose_run_config(overrides: list[str]) -> RunConfig:
+    """The run config `python -m training.run <overrides>` would get, outside a Hydra app."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose("config", overrides=overrides))

@@ -1,0 +1,67 @@
+"""`checkpoint`: where and how often the training state is saved (`training.checkpoint`)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List
+
+from training.config.common import require
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of the whole training state; an empty `dir` turns them off."""
+
+    # A directory every host reaches: a shared filesystem path, or a bucket URL (gs://,
+    # s3://). A run whose dir already holds a checkpoint resumes from the newest one. A
+    # relative path is made absolute here, on the driver, before the config goes to hosts.
+    dir: str = ""
+    interval: int = 50  # steps between checkpoints; the last step and a preemption save too
+    keep: int = 3  # the newest this many are kept, older ones deleted
+    # Keys of the checkpoint's record (what a resume must match) that may differ from this
+    # run's, e.g. [optimizer.learning_rate]; a key allows every key under it (`optimizer`).
+    allow_changes: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require(self.interval >= 1, "checkpoint.interval must be >= 1")
+        require(self.keep >= 1, "checkpoint.keep must be >= 1")
+        scheme = url_scheme(self.dir)
+        require(
+            scheme in (None, *CHECKPOINT_URL_SCHEMES),
+            f"checkpoint.dir={self.dir!r}: {scheme}:// is not a storage orbax writes to; give "
+            f"a shared path or a {' or '.join(s + '://' for s in CHECKPOINT_URL_SCHEMES)} URL",
+        )
+        if self.dir and scheme is None:
+            self.dir = os.path.abspath(os.path.expanduser(self.dir))
+        for key in self.allow_changes:
+            require(
+                isinstance(key, str)
+                and any(key == root or key.startswith(root + ".") for root in RECORD_ROOTS),
+                f"checkpoint.allow_changes: {key!r} is not a key of a checkpoint's record; "
+                f"keys start with one of {', '.join(RECORD_ROOTS)}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+
+# Bucket URLs orbax (tensorstore for the arrays, etils.epath for the rest) writes to.
+CHECKPOINT_URL_SCHEMES = ("gs", "s3")
+# What a checkpoint's record says a resume must match (training.checkpoint.record.resume_record).
+RECORD_ROOTS = (
+    "model",
+    "optimizer",
+    "trainer.global_batch",
+    "trainer.accumulate",
+    "trainer.seed",
+    "data.fingerprint",
+)
+
+
+def url_scheme(path: str) -> str | None:
+    """`gs` for gs://bucket/run, None for a filesystem path."""
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", path)
+    return match.group(1).lower() if match else None

@@ -1,0 +1,26 @@
+"""What every config group's schema shares: its error and its checks."""
+
+from __future__ import annotations
+
+AUTO = -1  # a mesh axis of this size takes all remaining devices
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one clear message before anything expensive starts."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")
+
+
+def require_size_or_auto(node: object, group: str, keys: tuple[str, ...], use: str) -> None:
+    """Each key a positive size or AUTO; `use` says what AUTO stands for."""
+    for key in keys:
+        size = getattr(node, key)
+        require(size == AUTO or size >= 1, f"{group}.{key}={size}: {use}")

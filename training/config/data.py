@@ -1,0 +1,97 @@
+"""`data`: the datasets the hosts read (`training.data`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from omegaconf import MISSING
+
+from training.config.common import require, require_positive
+
+
+@dataclass
+class SyntheticDataConfig:
+    name: str = "synthetic"
+    features: int = 32
+    classes: int = 8
+    examples: int = 16384
+    held_out_examples: int = 2048
+    seed: int = 1234  # seeds the task itself, so it stays fixed when trainer.seed changes
+
+    def __post_init__(self) -> None:
+        require_positive(self, "data", ("features", "classes", "examples", "held_out_examples"))
+
+
+@dataclass
+class TextDataConfig:
+    """Byte-level text from files already on every host (Python's standard library by default)."""
+
+    name: str = "text"
+    root: str = ""  # a directory of text files; empty means the standard library's sources
+    glob: str = "*.py"
+    seq_len: int = 128  # the yaml takes model.seq_len
+    held_out_percent: float = 10.0  # of the files, chosen by a hash of their names
+    seed: int = 1234  # shuffles the training windows
+
+    def __post_init__(self) -> None:
+        require(self.seq_len >= 1, "data.seq_len must be >= 1")
+        require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+
+
+@dataclass
+class FileDataConfig:
+    """What every dataset read from files on the hosts has."""
+
+    what_path_names: ClassVar[str] = "a data file"
+    path: str = MISSING
+    held_out_path: str = ""  # empty: the last held_out_percent of the data is held out
+    held_out_percent: float = 10.0
+    seed: int = 0  # shuffles each epoch; the yaml takes trainer.seed
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), f"data.path must name {self.what_path_names}")
+        require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
+
+
+@dataclass
+class ArrayDataConfig(FileDataConfig):
+    """Arrays on disk: a .npz file, or a directory of .npy files opened memory-mapped."""
+
+    what_path_names: ClassVar[str] = "a .npz file or a directory of .npy files"
+    name: str = "arrays"
+    # Integer labels are class ids. 0: the largest label + 1, found by a scan of the labels,
+    # which is refused for more than LABEL_SCAN_LIMIT labels (training/data/arrays.py).
+    num_classes: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.num_classes >= 0, "data.num_classes must be >= 0 (0: from the labels)")
+
+
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
+
+
+@dataclass
+class TokenDataConfig(FileDataConfig):
+    """A flat binary file of token ids (nanoGPT's train.bin), read as windows."""
+
+    what_path_names: ClassVar[str] = "a binary file of token ids"
+    name: str = "tokens"
+    dtype: str = "uint16"
+    seq_len: int = 128  # the yaml takes model.seq_len
+    # The vocabulary (nanoGPT's meta.pkl has it); 0: unknown, as finding the largest token id
+    # would read the whole file. Where set, every batch is checked against it.
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.dtype in TOKEN_DTYPES,
+            f"data.dtype={self.dtype!r} is not a token id type: one of {', '.join(TOKEN_DTYPES)}",
+        )
+        require(self.seq_len >= 1, "data.seq_len must be >= 1")
+        require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
+
+
+DataConfig = SyntheticDataConfig | TextDataConfig | ArrayDataConfig | TokenDataConfig

@@ -1,0 +1,37 @@
+"""`fault`: how stuck or lost hosts and bad losses are caught, and what follows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.config.common import require
+
+NAN_POLICIES = ("stop",)
+
+
+@dataclass
+class FaultConfig:
+    # Hosts beat every second with what they are doing (training.host.phases); a host is declared
+    # stuck when a phase outlasts its bound (JAX's own heartbeat only catches dead processes,
+    # and Ray's timeouts are tens of minutes). From a host's start to its first step
+    # (joining, building, restoring, compiling), and the jax.distributed initialisation:
+    startup_timeout_s: float = 1800.0
+    # Once training runs: time without a finished step (a host sees a step's result at least
+    # every 10 steps: this must exceed 10 steps' time), and each evaluation or save; also how
+    # long a host may say nothing at all.
+    step_timeout_s: float = 300.0
+    # Fresh host groups started after a host dies or stalls, each resuming from the newest
+    # checkpoint (needs checkpoint.dir); 0 fails the run at the first lost host.
+    max_restarts: int = 0
+    # A NaN or infinite loss stops the run, naming the step; the checkpoints so far (all
+    # saved from finite losses) are kept.
+    on_nan: str = "stop"
+
+    def __post_init__(self) -> None:
+        require(self.startup_timeout_s > 0, "fault.startup_timeout_s must be > 0")
+        require(self.step_timeout_s > 0, "fault.step_timeout_s must be > 0")
+        require(self.max_restarts >= 0, "fault.max_restarts must be >= 0")
+        require(
+            self.on_nan in NAN_POLICIES,
+            f"fault.on_nan={self.on_nan!r} is not one of {', '.join(NAN_POLICIES)}",
+        )

@@ -1,0 +1,49 @@
+"""`plan`: the hardware `python -m training.plan` predicts for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.config.common import AUTO, require, require_size_or_auto
+
+
+@dataclass
+class PlanConfig:
+    """The hardware `python -m training.plan` predicts for (defaults: GPU hosts of 8 with
+    NVLink inside a host and a 200 Gb/s network port per GPU between hosts).
+
+    Each collective is costed on the link its group uses: devices of one host talk over
+    `intra_host_gb_per_s`, a group that spans hosts is held to `inter_host_gb_per_s`."""
+
+    # Bytes per second each device moves, one direction: NVLink ~300-450, PCIe ~20
+    intra_host_gb_per_s: float = 300.0
+    # ... and to other hosts: 100 GbE ~12, 400 Gb/s InfiniBand per GPU ~50
+    inter_host_gb_per_s: float = 25.0
+    # Devices that share the fast link; -1: cluster.devices_per_host
+    devices_per_host: int = AUTO
+    latency_us: float = 10.0  # fixed cost of one collective
+    device_tflops: float = 100.0  # sustained training throughput of one device
+    device_memory_gb: float = 80.0
+    # Fewer examples than this per device leave a device mostly waiting on launches.
+    min_examples_per_device: int = 8
+
+    def __post_init__(self) -> None:
+        positive = (
+            "intra_host_gb_per_s",
+            "inter_host_gb_per_s",
+            "device_tflops",
+            "device_memory_gb",
+        )
+        for key in positive:
+            require(getattr(self, key) > 0, f"plan.{key} must be > 0")
+        require(self.latency_us >= 0, "plan.latency_us must be >= 0")
+        require(self.min_examples_per_device >= 1, "plan.min_examples_per_device must be >= 1")
+        require_size_or_auto(
+            self,
+            "plan",
+            ("devices_per_host",),
+            "use a positive number, or -1 for cluster.devices_per_host",
+        )
+
+    def link_gb_per_s(self, across_hosts: bool) -> float:
+        return self.inter_host_gb_per_s if across_hosts else self.intra_host_gb_per_s

@@ -1,0 +1,67 @@
+"""`strategy` and `mesh`: how the model and the batch are split over the devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from training.config.common import AUTO, require, require_size_or_auto
+
+STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
+# strategy.layout: the model's own rules, or rules derived from its structure
+# (training.parallel.auto_layout).
+MODEL_LAYOUT = "model"
+AUTO_LAYOUT = "auto"
+LAYOUTS = (MODEL_LAYOUT, AUTO_LAYOUT)
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+    # Extra layout rules, merged over the model's own (the same pattern replaces one), e.g.
+    # strategy.layout_rules={head/kernel:[null,model]}. None (not {}) by default so that a
+    # command-line dict replaces it rather than adding keys to a struct (and `Any`, since
+    # omegaconf cannot merge a dict into a None typed as a dict); checked in __post_init__.
+    layout_rules: Any = None
+    # Where the rules come from: `model` (model.layout and model.layout_rules) or `auto`
+    # (derived on the driver from the model's structure, printed, and sent to the hosts as
+    # model.layout_rules). strategy.layout_rules override either.
+    layout: str = MODEL_LAYOUT
+
+    def __post_init__(self) -> None:
+        require(
+            self.name in STRATEGIES,
+            f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}",
+        )
+        require(
+            self.layout in LAYOUTS,
+            f"strategy.layout={self.layout!r} is not one of {', '.join(LAYOUTS)} (the model's "
+            "own rules, or rules derived from its structure)",
+        )
+        self.layout_rules = checked_layout_rules("strategy.layout_rules", self.layout_rules)
+
+
+@dataclass
+class MeshConfig:
+    data: int = AUTO
+    model: int = AUTO
+
+    def __post_init__(self) -> None:
+        require_size_or_auto(
+            self, "mesh", ("data", "model"), "use a positive size, or -1 for all remaining devices"
+        )
+
+
+def checked_layout_rules(key: str, rules: Any) -> dict[str, list[str | None]]:
+    """Layout rules as given on the command line: pattern -> list of axis names or None."""
+    if rules is None:
+        return {}
+    require(isinstance(rules, dict), f"{key} must be a dict of pattern: [axis, ...]")
+    for pattern, axes in rules.items():
+        require(
+            isinstance(axes, list) and all(a is None or isinstance(a, str) for a in axes),
+            f"{key}: {pattern!r} must map to a list of mesh axis names or null, got {axes!r}",
+        )
+    return {str(pattern): list(axes) for pattern, axes in rules.items()}

@@ -1,0 +1,102 @@
+"""The contracts a model and a dataset meet: a user's own, and the built-in ones alike.
+
+A model is three things, named in the `model` config group:
+
+- `model.build`: `module:function` (a `BuildModel`), called with `model.kwargs` on every host
+  after the distribution is set. It returns an uncompiled `keras.Model`: functional, Sequential
+  or subclassed, with one input or several named ones (fed from data arrays `x_<input name>`).
+- `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
+  `module:function` returning a loss.
+- The layout: `model.layout_rules` (`LayoutRules`), regexes full-matched against variable paths
+  (or `<layer path>/output` for a layer's activation) mapped to one of `data`, `model` or null
+  per dimension; and/or `model.layout=module:function` (a `LayoutFunction`), called with the
+  keras `DeviceMesh` (axes `data` and `model`), returning such a dict or a
+  `keras.distribution.LayoutMap`.
+
+Modules are found from the working directory first, then installed packages. The built-in
+models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the same way.
+
+A dataset (a `Dataset`) gives a `DataSpec` (what a model must accept, what hosts must agree on)
+and `batch(split, index, batch_size, rows) -> (x, y)`, where `x` is one array or a dict of
+arrays by model input name, and `rows(...)` with the same arguments: the ids of the examples
+read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import keras
+    import numpy as np
+
+# A layout rule maps a regex, full-matched against a variable path such as
+# `block_0_up/kernel`, to one mesh axis name (or None) per variable dimension. A rule for
+# `<layer path>/output` lays out that layer's output instead (an activation rule).
+LayoutRules = dict[str, tuple[str | None, ...]]
+ACTIVATION_RULE_SUFFIX = "/output"
+MESH_AXES = ("data", "model")
+SPLITS = ("train", "held_out")
+
+
+class BuildModel(Protocol):
+    def __call__(self, **kwargs: Any) -> keras.Model:
+        """An uncompiled model, from `model.kwargs`."""
+        ...
+
+
+class LayoutFunction(Protocol):
+    def __call__(
+        self, device_mesh: keras.distribution.DeviceMesh, **kwargs: Any
+    ) -> LayoutRules | keras.distribution.LayoutMap:
+        """The model's layout on a mesh of axes `MESH_AXES`."""
+        ...
+
+
+@dataclass(frozen=True)
+class VariableInfo:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One example's shape and dtype (the batch dimension left out)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        return f"{self.dtype} {list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a model needs to know about its data, and what hosts must agree on."""
+
+    # One array, or a dict by model input name (a model with several named inputs).
+    inputs: ArraySpec | dict[str, ArraySpec]
+    labels: ArraySpec
+    examples: int  # in the training split (windows, for token streams)
+    fingerprint: str  # hosts that read different data would train on garbage
+    # Classes, or the vocabulary of a token stream, where labels are class ids; else None.
+    num_classes: int | None = None
+    # Held-out loss of a model that knows only how often each label occurs in training:
+    # a trained model must beat it. None where labels are not class ids.
+    baseline_loss: float | None = None
+    # Positions a loss averages over per example: the tokens of a sequence, else 1.
+    positions_per_example: int = 1
+
+
+class Dataset(Protocol):
+    spec: DataSpec
+
+    def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple:
+        """(x, y) of rows `rows` of batch `index` of a split (one of `SPLITS`)."""
+        ...
+
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Ids of the examples (rows, windows) that `batch` with these arguments reads."""
+        ...
