@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from training.config import ConfigError, FaultConfig
-from training.driver.supervisor import HostFailure, Watchdog
+from training.driver.restarts import HostFailure
+from training.driver.watchdog import Watchdog
 from training.host.phases import Beats, Phase
 
 FAULT = FaultConfig()  # startup 1800 s, step 300 s

@@ -5,7 +5,7 @@ checkpoint, compiling (the first step, until its result), training, evaluating o
 `Beats` sends the phase, how long it has lasted and the last step whose result the host has
 seen, every BEAT_SECONDS, from a thread that never waits on the devices: a host busy
 compiling for minutes still beats. The beats prove the process is alive; whether it makes
-progress the driver judges from the phase and the step (`training.driver.supervisor.Watchdog`).
+progress the driver judges from the phase and the step (`training.driver.watchdog.Watchdog`).
 """
 
 from __future__ import annotations
