@@ -32,6 +32,15 @@ from training.driver.restarts import HostFailure, Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
 from training.driver.watchdog import Watchdog
+from training.events import (
+    Compiled,
+    FromHost,
+    HostWarning,
+    Joined,
+    Ready,
+    StepLogged,
+    finished_step,
+)
 
 POLL_SECONDS = 0.25
 FAILURE_GRACE_SECONDS = 5.0
@@ -241,42 +250,52 @@ class Supervisor:
             for event in events:
                 self._handle(event, watchdog)
 
-    def _handle(self, event: dict, watchdog: Watchdog) -> None:
-        host, kind = event["host"], event["event"]
+    def _handle(self, sent: FromHost, watchdog: Watchdog) -> None:
+        host, event = sent.host, sent.event
         watchdog.saw(host, event)
-        if event.get("step"):  # a beat or a logged step: some host finished its first step
+        if finished_step(event):  # some host finished its first step
             self._mark("first_step")
             self.restarts.recovered()
             self._request_spare()
-        if kind == "joined" and host == 0:
-            self._mark("jax_cluster_joined")
-        elif kind == "ready":
-            self._check_same_data(host, event["data_fingerprint"])
-            self.coverage.add_host(host, event["rows"])
-            if self.seen.resumed_from_step is None:
-                self.seen.resumed_from_step = event["resumed_from_step"]
-            self.seen.identities[host].update(
-                {
-                    key: event[key]
-                    for key in ("rows", "local_devices", "mesh_coordinates", "setup_seconds")
+        match event:
+            case Joined() if host == 0:
+                self._mark("jax_cluster_joined")
+            case Ready():
+                self._ready(host, event)
+            case Compiled():
+                self.seen.compiles[host] = {
+                    "compile_seconds": event.compile_seconds,
+                    "compile_cache": event.compile_cache,
                 }
-            )
-            self.log.host_started(self.seen.identities[host])
-            if host == 0:
-                self._mark("model_built")
-        elif kind == "compiled":
-            self.seen.compiles[host] = {
-                key: event[key] for key in ("compile_seconds", "compile_cache")
-            }
-        elif kind == "warning":
-            self.log.host_warning(host, event["message"])
-        elif kind == "step":
-            record = self.metrics.add(event)
-            if record is not None:
-                self._check_rows_fed(record)
-                self.display.logged(record)
-                self.scalars.write(record)
+            case HostWarning():
+                self.log.host_warning(host, event.message)
+            case StepLogged():
+                self._logged(host, event)
         self.display.advance_to(watchdog.slowest_step())
+
+    def _ready(self, host: int, ready: Ready) -> None:
+        self._check_same_data(host, ready.data_fingerprint)
+        self.coverage.add_host(host, ready.rows)
+        if self.seen.resumed_from_step is None:
+            self.seen.resumed_from_step = ready.resumed_from_step
+        self.seen.identities[host].update(
+            {
+                "rows": ready.rows,
+                "local_devices": ready.local_devices,
+                "mesh_coordinates": ready.mesh_coordinates,
+                "setup_seconds": ready.setup_seconds,
+            }
+        )
+        self.log.host_started(self.seen.identities[host])
+        if host == 0:
+            self._mark("model_built")
+
+    def _logged(self, host: int, step: StepLogged) -> None:
+        record = self.metrics.add(host, step)
+        if record is not None:
+            self._check_rows_fed(record)
+            self.display.logged(record)
+            self.scalars.write(record)
 
     def _request_spare(self) -> None:
         """While a group trains and a restart is left, a spare group waits with its processes

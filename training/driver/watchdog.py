@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from training.config import FaultConfig
 from training.driver.restarts import HostFailure
-from training.host.phases import BEAT_SECONDS, STARTUP_PHASES, TRAINING
+from training.events import (
+    BEAT_SECONDS,
+    STARTUP_PHASES,
+    TRAINING,
+    Beat,
+    Compiled,
+    Event,
+    finished_step,
+)
 
 # A host that has missed this many beats is named with a stuck host even within its bounds:
 # a frozen process stops beating about when the hosts waiting for it stop stepping, and
@@ -43,7 +51,7 @@ class Stuck:
 
 
 class Watchdog:
-    """Judges each host's progress from its beats and reports (`training.host.phases`). A host is
+    """Judges each host's progress from its beats and reports (`training.events`). A host is
     stuck when
     - it is still starting (joining, building, restoring, compiling its first step)
       fault.startup_timeout_s after its start;
@@ -58,18 +66,18 @@ class Watchdog:
         self.started = now = clock()
         self.hosts = [HostProgress(now, now, now) for _ in range(hosts)]
 
-    def saw(self, host: int, event: dict) -> None:
+    def saw(self, host: int, event: Event) -> None:
         """A host's event: any proves it alive; a beat tells its phase, a beat or a
         logged step its last finished step."""
         now, progress = self.clock(), self.hosts[host]
         progress.seen = now
-        step = event.get("step")
+        step = finished_step(event)
         if step is not None and step > progress.step:
             progress.step, progress.step_since = step, now
-        if "phase" in event:
+        if isinstance(event, Beat):
             progress.beating = True
-            progress.phase, progress.phase_since = event["phase"], now - event["phase_seconds"]
-        elif event.get("event") == "compiled":  # the first step's result: training, now
+            progress.phase, progress.phase_since = event.phase, now - event.phase_seconds
+        elif isinstance(event, Compiled):  # the first step's result: training, now
             progress.phase, progress.phase_since = TRAINING, now
 
     def done(self, host: int) -> None:
