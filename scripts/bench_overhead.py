@@ -39,6 +39,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from training.config import compose_run_config  # noqa: E402
+from training.events import StepLogged  # noqa: E402
 from training.parallel.compiled import BENCH_TRANSFORMER  # noqa: E402
 
 SYSTEM = [
@@ -251,7 +252,7 @@ def loop_overhead(steps: int, extra: list[str]) -> dict:
     for _ in range(2):
         reports = []
         train(cfg, mesh, reports.append)
-        per_step = [r["seconds"] / r["steps"] for r in reports if r["event"] == "step"]
+        per_step = [r.seconds / r.steps for r in reports if isinstance(r, StepLogged)]
         loop.append(statistics.median(per_step[1:]))
         keras.backend.clear_session()
         model, dataset = build_on_grid(cfg, device_grid(jax.devices(), mesh))

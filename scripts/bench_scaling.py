@@ -45,14 +45,15 @@ def device_env(devices: int, gpus: int) -> dict:
 def measure(devices: int, overrides: list[str]) -> float:
     """Examples per second after the first logged interval (compile and warm-up)."""
     from training.config import compose_run_config
+    from training.events import StepLogged
     from training.host.trainer import train
     from training.parallel.mesh import MeshShape
 
     cfg = compose_run_config(overrides)
     reports = []
     train(cfg, MeshShape(devices, 1), reports.append)
-    steady = [r for r in reports if r["event"] == "step"][1:]
-    return sum(r["examples"] for r in steady) / sum(r["seconds"] for r in steady)
+    steady = [r for r in reports if isinstance(r, StepLogged)][1:]
+    return sum(r.examples for r in steady) / sum(r.seconds for r in steady)
 
 
 def main() -> None:

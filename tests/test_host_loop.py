@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import run_config
 from training.checkpoint.inspection import newest_step
+from training.events import StepLogged
 from training.host import trainer
 from training.host.phases import Phase
 from training.parallel.mesh import MeshShape, device_grid
@@ -31,10 +32,10 @@ def restore_keras_globals():
     keras.config.set_dtype_policy("float32")
 
 
-def logged(overrides: list[str]) -> list[dict]:
+def logged(overrides: list[str]) -> list[StepLogged]:
     reports = []
     trainer.train(run_config(HYBRID + overrides), MeshShape(2, 4), reports.append)
-    return [r for r in reports if r["event"] == "step"]
+    return [r for r in reports if isinstance(r, StepLogged)]
 
 
 def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
@@ -70,10 +71,10 @@ def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
     overrides = LOOP + ["trainer.eval_batches=1", "trainer.eval_interval=100"] + extra
     reports = logged(overrides)
     expected, held_out = synchronous_losses(overrides)
-    assert [r["step"] for r in reports] == [3, 6, 7]
-    assert [r["steps"] for r in reports] == [3, 3, 1]
-    np.testing.assert_allclose([r["loss"] for r in reports], expected, rtol=1e-5)
-    assert reports[-1]["eval_loss"] == pytest.approx(held_out, rel=1e-5)
+    assert [r.step for r in reports] == [3, 6, 7]
+    assert [r.steps for r in reports] == [3, 3, 1]
+    np.testing.assert_allclose([r.loss for r in reports], expected, rtol=1e-5)
+    assert reports[-1].eval_loss == pytest.approx(held_out, rel=1e-5)
 
 
 class RecordedPhase(Phase):
@@ -164,16 +165,18 @@ def compile_in_subprocess(cache: Path) -> dict:
     """A fresh process trains the small MLP for 2 steps on 1 device; its 'compiled' report."""
     script = f"""
 import json, os
+from dataclasses import asdict
 os.environ.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                   KERAS_BACKEND="jax")
 from training.host import trainer
 from training.config import compose_run_config
+from training.events import Compiled
 from training.parallel.mesh import MeshShape
 reports = []
 cfg = compose_run_config(["trainer.steps=2", "trainer.eval_batches=0", "trainer.global_batch=8",
                   "trainer.compile_cache_dir={cache}"])
 trainer.train(cfg, MeshShape(1, 1), reports.append)
-print(json.dumps(next(r for r in reports if r["event"] == "compiled")))
+print(json.dumps(asdict(next(r for r in reports if isinstance(r, Compiled)))))
 """
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True

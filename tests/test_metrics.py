@@ -5,26 +5,28 @@ import json
 import pytest
 
 from training.driver.metrics import MetricsLog, per_host_step_seconds, steady_examples_per_second
+from training.events import StepLogged
 
 
 def report(host: int, step: int, loss: float, seconds: float = 1.0, examples: float = 32.0):
-    return {
-        "host": host,
-        "step": step,
-        "loss": loss,
-        "seconds": seconds,
-        "steps": 2,
-        "examples": examples,
-        "learning_rate": 1e-3,
-        "rows_fed": [host],
-    }
+    """(host, its report of `step`), as `MetricsLog.add` takes them."""
+    logged = StepLogged(
+        step=step,
+        loss=loss,
+        seconds=seconds,
+        steps=2,
+        examples=examples,
+        learning_rate=1e-3,
+        rows_fed=[host],
+    )
+    return host, logged
 
 
 def test_a_step_is_joined_once_every_host_reported_it(tmp_path):
     log = MetricsLog(2, tmp_path / "metrics.jsonl")
-    assert log.add(report(0, 2, 1.5)) is None
-    assert log.add(report(0, 4, 1.2)) is None  # a fast host may run ahead
-    record = log.add(report(1, 2, 1.5, seconds=2.0))
+    assert log.add(*report(0, 2, 1.5)) is None
+    assert log.add(*report(0, 4, 1.2)) is None  # a fast host may run ahead
+    record = log.add(*report(1, 2, 1.5, seconds=2.0))
     log.close()
     assert record["step"] == 2 and record["loss"] == 1.5 and record["hosts_agree"]
     assert record["examples_per_second"] == pytest.approx(64 / 2.0)  # summed, slowest pace
@@ -36,14 +38,14 @@ def test_a_step_is_joined_once_every_host_reported_it(tmp_path):
 
 def test_hosts_that_disagree_on_the_loss_are_flagged(tmp_path):
     log = MetricsLog(2, tmp_path / "metrics.jsonl")
-    log.add(report(0, 2, 1.5))
-    assert not log.add(report(1, 2, 1.6))["hosts_agree"]
+    log.add(*report(0, 2, 1.5))
+    assert not log.add(*report(1, 2, 1.6))["hosts_agree"]
 
 
 def test_steady_figures_leave_out_the_compiling_first_interval(tmp_path):
     log = MetricsLog(1, tmp_path / "metrics.jsonl")
-    log.add(report(0, 2, 2.0, seconds=10.0))
-    log.add(report(0, 4, 1.0, seconds=1.0))
-    log.add(report(0, 6, 0.5, seconds=3.0))
+    log.add(*report(0, 2, 2.0, seconds=10.0))
+    log.add(*report(0, 4, 1.0, seconds=1.0))
+    log.add(*report(0, 6, 0.5, seconds=3.0))
     assert steady_examples_per_second(log.records) == pytest.approx(64 / 4.0)
     assert per_host_step_seconds(log.records) == [pytest.approx(1.0)]

@@ -12,8 +12,10 @@ from rich.console import Console
 
 from tests.conftest import FAST, assert_no_control_characters, read_scalars, run_config
 from training.driver.display import ProgressDisplay
-from training.driver.logs import RUN_LOG, RunLog, forward_warnings
+from training.driver.logs import RUN_LOG, RunLog
 from training.driver.tensorboard import ScalarWriter, scalars
+from training.events import FromHost, HostWarning
+from training.host.warnings import forward_warnings
 from training.run import run_training
 
 
@@ -54,11 +56,11 @@ def test_host_warnings_become_events_instead_of_stderr_lines(capfd):
         logging.getLogger("keras").warning("input pipeline is slow")
         logging.getLogger("keras").info("not a warning")
     logging.getLogger("keras").warning("after the block: not forwarded")
-    messages = [event["message"] for event in events]
+    messages = [event.message for event in events]
     assert len(messages) == 2
     assert "UserWarning: disk nearly full" in messages[0]
     assert messages[1] == "input pipeline is slow"
-    assert {event["event"] for event in events} == {"warning"}
+    assert {type(event) for event in events} == {HostWarning}
     assert "disk nearly full" not in capfd.readouterr().err
 
 
@@ -169,7 +171,7 @@ def test_warnings_in_host_actors_are_forwarded_and_not_streamed_by_ray(
         def warn(self, host: int, inbox) -> None:
             import sys
 
-            with forward_warnings(lambda event: inbox.put({**event, "host": host})):
+            with forward_warnings(lambda event: inbox.put(FromHost(host, event))):
                 for _ in range(3):
                     warnings.warn("disk nearly full", stacklevel=1)
                     logging.getLogger("keras").warning("input pipeline is slow")
@@ -183,8 +185,8 @@ def test_warnings_in_host_actors_are_forwarded_and_not_streamed_by_ray(
 
     out = io.StringIO()
     log = RunLog(tmp_path, Console(file=out))
-    for event in events:
-        log.host_warning(event["host"], event["message"])
+    for sent in events:
+        log.host_warning(sent.host, sent.event.message)
     log.close()
     # Each message once, from whichever host's event came first (Python's warnings with the
     # source line below, as Python shows them).

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import run_config
 from training import models
 from training.data import build_dataset
+from training.events import StepLogged
 from training.host import trainer
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
@@ -45,12 +46,12 @@ def build_under(strategy: str, mesh: MeshShape, overrides: list[str]):
     return models.build_model(cfg.model, build_dataset(cfg.data).spec)
 
 
-def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> list[dict]:
+def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> list[StepLogged]:
     """Run a host's training loop in this process; return its logged step reports."""
     reports = []
     cfg = run_config([f"strategy={strategy}"] + overrides)
     trainer.train(cfg, mesh, reports.append)
-    return [r for r in reports if r["event"] == "step"]
+    return [r for r in reports if isinstance(r, StepLogged)]
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -79,11 +80,9 @@ def test_the_layout_gives_every_device_whole_attention_heads():
 def test_gradient_accumulation_learns_what_the_whole_batch_does():
     whole = train_in_process("hybrid", MeshShape(2, 4), TINY)
     accumulated = train_in_process("hybrid", MeshShape(2, 4), TINY + ["trainer.accumulate=2"])
-    np.testing.assert_allclose(
-        [r["loss"] for r in accumulated], [r["loss"] for r in whole], rtol=1e-5
-    )
-    assert accumulated[-1]["eval_loss"] == pytest.approx(whole[-1]["eval_loss"], rel=1e-5)
-    assert [r["examples"] for r in accumulated] == [r["examples"] for r in whole]
+    np.testing.assert_allclose([r.loss for r in accumulated], [r.loss for r in whole], rtol=1e-5)
+    assert accumulated[-1].eval_loss == pytest.approx(whole[-1].eval_loss, rel=1e-5)
+    assert [r.examples for r in accumulated] == [r.examples for r in whole]
 
 
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
@@ -95,17 +94,17 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
 
     full = train_in_process("hybrid", MeshShape(2, 4), TINY)
     half = train_in_process("hybrid", MeshShape(2, 4), TINY + ["trainer.precision=bfloat16"])
-    assert all(np.isfinite(r["loss"]) for r in half)
+    assert all(np.isfinite(r.loss) for r in half)
     # Same weights and data, coarser arithmetic: close, but not equal.
-    np.testing.assert_allclose([r["loss"] for r in half], [r["loss"] for r in full], rtol=2e-2)
-    assert [r["loss"] for r in half] != [r["loss"] for r in full]
+    np.testing.assert_allclose([r.loss for r in half], [r.loss for r in full], rtol=2e-2)
+    assert [r.loss for r in half] != [r.loss for r in full]
 
 
 def test_training_on_text_beats_the_unigram_baseline_within_the_default_steps():
     """The default transformer and text, the default 100 steps, batches of 16 sequences."""
     reports = train_in_process("hybrid", MeshShape(2, 4), TEXT + ["trainer.global_batch=16"])
     baseline = build_dataset(run_config(TEXT).data).spec.baseline_loss
-    evaluated = [r["eval_loss"] for r in reports if "eval_loss" in r]
+    evaluated = [r.eval_loss for r in reports if r.eval_loss is not None]
     assert len(evaluated) == 2  # at step 50 and at the end
-    assert evaluated[-1] < evaluated[0] < reports[0]["loss"]
+    assert evaluated[-1] < evaluated[0] < reports[0].loss
     assert evaluated[-1] < baseline

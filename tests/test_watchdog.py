@@ -6,7 +6,9 @@ import threading
 import pytest
 
 from training.config import ConfigError, FaultConfig
-from training.driver.supervisor import HostFailure, Watchdog
+from training.driver.restarts import HostFailure
+from training.driver.watchdog import Watchdog
+from training.events import Beat, Compiled
 from training.host.phases import Beats, Phase
 
 FAULT = FaultConfig()  # startup 1800 s, step 300 s
@@ -25,11 +27,6 @@ def clock() -> Clock:
     return Clock()
 
 
-def beat(phase: str, phase_seconds: float, step: int | None = None) -> dict:
-    event = {"event": "beat", "phase": phase, "phase_seconds": phase_seconds}
-    return event if step is None else {**event, "step": step}
-
-
 def beating(watchdog, clock, seconds, phase, step=lambda host, s: None, since=None) -> float:
     """`seconds` of beats, one a second from each host, in `phase` (a name, or a function
     of the host) since `since` (the first of these beats when None), with the finished step
@@ -39,7 +36,7 @@ def beating(watchdog, clock, seconds, phase, step=lambda host, s: None, since=No
         clock.now += 1
         for host in range(len(watchdog.hosts)):
             name = phase(host) if callable(phase) else phase
-            watchdog.saw(host, beat(name, clock.now - since, step(host, s)))
+            watchdog.saw(host, Beat(name, clock.now - since, step(host, s)))
         watchdog.check()
     return since
 
@@ -76,7 +73,7 @@ def test_a_host_still_starting_past_the_startup_bound_is_stuck_naming_phase_and_
 
 def test_a_host_that_never_beats_is_caught_by_the_startup_bound(clock):
     watchdog = Watchdog(2, FaultConfig(startup_timeout_s=0.5), clock)
-    watchdog.saw(1, beat("joining", 0.1))
+    watchdog.saw(1, Beat("joining", 0.1))
     clock.now += 0.6
     with pytest.raises(HostFailure, match=r"host 0 starting for 1 s, over fault.startup_timeout_s"):
         watchdog.check()
@@ -100,9 +97,18 @@ def test_a_host_beating_but_finishing_no_step_is_stuck_after_the_step_bound(cloc
 
 def test_the_first_step_reported_means_training_before_the_next_beat(clock):
     watchdog = Watchdog(1, FAULT, clock)
-    watchdog.saw(0, beat("compiling", 30))
+    watchdog.saw(0, Beat("compiling", 30))
     clock.now += 0.5
-    watchdog.saw(0, {"event": "compiled", "step": 1, "compile_seconds": 30.2})
+    watchdog.saw(
+        0,
+        Compiled(
+            1,
+            compile_seconds=30.2,
+            compile_cache="off",
+            compile_cache_hits=0,
+            compile_cache_misses=0,
+        ),
+    )
     assert watchdog.not_stepping() == []
     assert (watchdog.hosts[0].phase, watchdog.slowest_step()) == ("training", 1)
 
@@ -152,7 +158,7 @@ def test_a_silent_host_is_named_first_and_a_finished_one_never(clock):
     watchdog.done(2)
     for _ in range(11):
         clock.now += 1
-        watchdog.saw(0, beat("training", clock.now - since, 5))
+        watchdog.saw(0, Beat("training", clock.now - since, 5))
     assert stuck_message(watchdog, silent_s=11) == (
         "no progress: host 1 silent for 11 s (last seen training, last step 5), over "
         "fault.step_timeout_s=10; host 0 training without a finished step for 11 s "
@@ -168,10 +174,10 @@ def test_hosts_that_stopped_beating_are_named_first_when_a_peer_is_stuck_before_
     beating(watchdog, clock, 5, "training", lambda host, s: s)
     for seconds in range(1, 12):
         clock.now += 1
-        watchdog.saw(0, beat("saving", seconds, 5))
+        watchdog.saw(0, Beat("saving", seconds, 5))
         if seconds <= 2:  # then hosts 1 (stepping on) and 2 (saving) freeze
-            watchdog.saw(1, beat("training", 5 + seconds, 5 + seconds))
-            watchdog.saw(2, beat("saving", seconds, 5))
+            watchdog.saw(1, Beat("training", 5 + seconds, 5 + seconds))
+            watchdog.saw(2, Beat("saving", seconds, 5))
         if seconds <= 10:
             watchdog.check()  # silent for up to 8 s: not named while no host is stuck
     assert stuck_message(watchdog, silent_s=11) == (
@@ -183,7 +189,7 @@ def test_hosts_that_stopped_beating_are_named_first_when_a_peer_is_stuck_before_
 
 def test_phases_and_the_finished_step_as_the_beats_carry_them(clock):
     phase = Phase("joining", clock)
-    assert phase.beat() == {"event": "beat", "phase": "joining", "phase_seconds": 0.0}
+    assert phase.beat() == Beat("joining", 0.0)
     clock.now += 3
     phase.set("joining")  # the same phase goes on
     phase.set("training")
@@ -191,14 +197,14 @@ def test_phases_and_the_finished_step_as_the_beats_carry_them(clock):
     clock.now += 2
     with phase.during("saving"):
         clock.now += 4
-        assert phase.beat() == {"event": "beat", "phase": "saving", "phase_seconds": 4, "step": 7}
-    assert phase.beat() == {"event": "beat", "phase": "training", "phase_seconds": 0, "step": 7}
+        assert phase.beat() == Beat("saving", 4, step=7)
+    assert phase.beat() == Beat("training", 0, step=7)
 
 
 def test_beats_come_from_their_own_thread_while_the_caller_is_busy():
     events, four = [], threading.Event()
 
-    def report(event: dict) -> None:
+    def report(event: Beat) -> None:
         events.append(event)
         if len(events) == 4:
             four.set()
@@ -207,13 +213,13 @@ def test_beats_come_from_their_own_thread_while_the_caller_is_busy():
     with Beats(phase, report, every=0.01):
         assert four.wait(30)  # the caller blocks; the beats go on
     count = len(events)
-    assert {e["phase"] for e in events} == {"compiling"}
+    assert {e.phase for e in events} == {"compiling"}
     four.wait(0.05)
     assert len(events) == count  # and stop with the block
 
 
 def test_beats_end_quietly_when_the_driver_is_gone():
-    def report(event: dict) -> None:
+    def report(event: Beat) -> None:
         raise ConnectionError("the queue actor is gone")
 
     with Beats(Phase(), report, every=0.01) as beats:

@@ -5,7 +5,7 @@ node, so its files land where the sweep was started), and that process drives th
 own host group and `jax.distributed` cluster. A process per trial, not a thread, because
 Hydra keeps the running job's config in process-wide singletons, and rich shows one live
 display per process. At most `sweep.max_concurrent` trials run at once; a trial whose hosts
-do not fit yet waits in the placement queue (see `training.driver.supervisor.HostGroup`).
+do not fit yet waits in the placement queue (see `training.driver.placement.HostGroup`).
 
 Each trial keeps its checkpoints in its own subdirectory of `checkpoint.dir`, named after
 the values the sweep gives it (`trial_checkpoint_id`), so trials never share or resume from

@@ -1,49 +1,17 @@
 """What happened on which host: the run's log and the hosts' warnings.
 
-On each host, Python warnings and logging records of WARNING and above leave through the
-host's report channel instead of its stderr, so Ray's log streaming does not copy them to
-the driver a second time, unlabelled. On the driver, `RunLog` writes each host's start line
-and each distinct warning, labelled with its host, to the console once and to `run.log`.
+`RunLog` writes each host's start line and each distinct warning a host sent
+(`training.host.warnings`), labelled with its host, to the console once and to `run.log`.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 
 RUN_LOG = "run.log"
-
-
-class _ForwardWarnings(logging.Handler):
-    def __init__(self, report: Callable[[dict], None]):
-        super().__init__(logging.WARNING)
-        self.report = report
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = self.format(record).strip()
-        self.report({"event": "warning", "source": record.name, "message": message})
-
-
-@contextmanager
-def forward_warnings(report: Callable[[dict], None]) -> Iterator[None]:
-    """Send this process's warnings to `report` as warning events while the block runs.
-
-    The handler on the root logger also stops logging's last-resort stderr output, and
-    `captureWarnings` routes `warnings.warn` through logging."""
-    handler = _ForwardWarnings(report)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    logging.captureWarnings(True)
-    try:
-        yield
-    finally:
-        logging.captureWarnings(False)
-        root.removeHandler(handler)
 
 
 def describe_host(identity: dict) -> str:

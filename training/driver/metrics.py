@@ -8,6 +8,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from training.events import StepLogged
+
 # Hosts compute the loss from the same global arrays, so they agree up to float noise.
 LOSS_AGREEMENT_RTOL = 1e-5
 
@@ -19,14 +21,14 @@ class MetricsLog:
         self.hosts = hosts
         self.perplexity = perplexity  # exp(loss) means something for a cross-entropy only
         self.records: list[dict] = []
-        self._pending: dict[int, dict[int, dict]] = defaultdict(dict)
+        self._pending: dict[int, dict[int, StepLogged]] = defaultdict(dict)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
 
-    def add(self, report: dict) -> dict | None:
+    def add(self, host: int, report: StepLogged) -> dict | None:
         """Take one host's report of a step; return the joined record once all hosts sent it."""
-        step = report["step"]
-        self._pending[step][report["host"]] = report
+        step = report.step
+        self._pending[step][host] = report
         if len(self._pending[step]) < self.hosts:
             return None
         by_host = self._pending.pop(step)
@@ -46,13 +48,13 @@ class MetricsLog:
         self._file.close()
 
 
-def join_host_reports(reports: list[dict], perplexity: bool = True) -> dict:
-    losses = [r["loss"] for r in reports]
-    step_seconds = [r["seconds"] / r["steps"] for r in reports]
-    interval_seconds = max(r["seconds"] for r in reports)
-    examples = sum(r["examples"] for r in reports)
+def join_host_reports(reports: list[StepLogged], perplexity: bool = True) -> dict:
+    losses = [r.loss for r in reports]
+    step_seconds = [r.seconds / r.steps for r in reports]
+    interval_seconds = max(r.seconds for r in reports)
+    examples = sum(r.examples for r in reports)
     return {
-        "step": reports[0]["step"],
+        "step": reports[0].step,
         "loss": sum(losses) / len(losses),
         "per_host_loss": losses,
         "hosts_agree": _agree(losses),
@@ -61,18 +63,18 @@ def join_host_reports(reports: list[dict], perplexity: bool = True) -> dict:
         "slowest_host": max(range(len(reports)), key=step_seconds.__getitem__),
         "interval_examples": examples,
         "interval_seconds": interval_seconds,
-        "learning_rate": reports[0]["learning_rate"],
+        "learning_rate": reports[0].learning_rate,
         # Each host's example ids of this step: which rows of the data it really read.
-        "rows_fed": [r["rows_fed"] for r in reports],
+        "rows_fed": [r.rows_fed for r in reports],
         **_held_out(reports, perplexity),
     }
 
 
-def _held_out(reports: list[dict], perplexity: bool) -> dict:
+def _held_out(reports: list[StepLogged], perplexity: bool) -> dict:
     """Held-out loss and perplexity, where the hosts evaluated at this step."""
-    if "eval_loss" not in reports[0]:
+    if reports[0].eval_loss is None:
         return {}
-    losses = [r["eval_loss"] for r in reports]
+    losses = [r.eval_loss for r in reports]
     loss = sum(losses) / len(losses)
     return {
         "eval_loss": loss,

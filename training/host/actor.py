@@ -15,8 +15,9 @@ import time
 import ray
 
 from training.config import RunConfig
-from training.driver.logs import forward_warnings
+from training.events import Event, FromHost, Joined
 from training.host.phases import Beats, Phase
+from training.host.warnings import forward_warnings
 from training.parallel.mesh import MeshShape
 
 
@@ -114,16 +115,16 @@ class HostActor:
             os.chdir(driver_dir)
         put_first_on_path([os.getcwd()])
 
-        def report(event: dict) -> None:
-            inbox.put({**event, "host": self.host_index, "time": time.time()})
+        def send(event: Event) -> None:
+            inbox.put(FromHost(self.host_index, event))
 
         # The beats go on while the host joins, builds, compiles or saves, however long.
         phase = Phase("joining")
-        with forward_warnings(report), Beats(phase, report):
+        with forward_warnings(send), Beats(phase, send):
             started = time.perf_counter()
             self._join_jax_cluster(coordinator, init_timeout_s)
-            report({"event": "joined", "seconds": time.perf_counter() - started})
-            return {"host": self.host_index, **train(cfg, mesh, report, self._stop.is_set, phase)}
+            send(Joined(time.perf_counter() - started))
+            return {"host": self.host_index, **train(cfg, mesh, send, self._stop.is_set, phase)}
 
     def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
         import jax

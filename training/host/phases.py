@@ -1,11 +1,10 @@
 """What a host is doing, and the beats that tell the driver while it does it.
 
-A host is in one phase at a time: joining the JAX cluster, building the model, restoring a
-checkpoint, compiling (the first step, until its result), training, evaluating or saving.
-`Beats` sends the phase, how long it has lasted and the last step whose result the host has
-seen, every BEAT_SECONDS, from a thread that never waits on the devices: a host busy
-compiling for minutes still beats. The beats prove the process is alive; whether it makes
-progress the driver judges from the phase and the step (`training.driver.supervisor.Watchdog`).
+A host is in one phase at a time (`training.events` names them). `Beats` sends the phase,
+how long it has lasted and the last step whose result the host has seen, every
+BEAT_SECONDS, from a thread that never waits on the devices: a host busy compiling for
+minutes still beats. The beats prove the process is alive; whether it makes
+progress the driver judges from the phase and the step (`training.driver.watchdog.Watchdog`).
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-BEAT_SECONDS = 1.0
-# Until the first step's result: bounded together by fault.startup_timeout_s.
-STARTUP_PHASES = ("starting", "joining", "building", "restoring", "compiling")
-TRAINING = "training"
-# Inside training, each bounded by fault.step_timeout_s.
-PAUSES = ("evaluating", "saving")
+from training.events import BEAT_SECONDS, Beat, Send
 
 
 class Phase:
@@ -53,24 +47,17 @@ class Phase:
         with self._lock:
             self.step = max(step, self.step or 0)
 
-    def beat(self) -> dict:
+    def beat(self) -> Beat:
         with self._lock:
-            beat = {
-                "event": "beat",
-                "phase": self.name,
-                "phase_seconds": self._clock() - self.since,
-            }
-            if self.step is not None:
-                beat["step"] = self.step
-            return beat
+            return Beat(self.name, self._clock() - self.since, self.step)
 
 
 class Beats:
-    """Report `phase.beat()` now and every `every` seconds until the block ends. A report
-    that fails (the driver gone) ends the beats; the host's own work decides its fate."""
+    """Send `phase.beat()` now and every `every` seconds until the block ends. A send that
+    fails (the driver gone) ends the beats; the host's own work decides its fate."""
 
-    def __init__(self, phase: Phase, report: Callable[[dict], None], every: float = BEAT_SECONDS):
-        self._phase, self._report, self._every = phase, report, every
+    def __init__(self, phase: Phase, send: Send, every: float = BEAT_SECONDS):
+        self._phase, self._send, self._every = phase, send, every
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="beats", daemon=True)
 
@@ -85,7 +72,7 @@ class Beats:
     def _run(self) -> None:
         while True:
             try:
-                self._report(self._phase.beat())
+                self._send(self._phase.beat())
             except Exception:
                 return
             if self._stopped.wait(self._every):

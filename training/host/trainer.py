@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -16,10 +16,11 @@ from training import models
 from training.config import RunConfig, TrainerConfig
 from training.contracts import Dataset
 from training.data import build_dataset
+from training.events import TRAINING, Compiled, Ready, Send, StepLogged
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.loop import COUNTS, CompiledStep, Prefetcher
-from training.host.phases import TRAINING, Phase
+from training.host.phases import Phase
 from training.optimizers import build_optimizer
 from training.parallel.mesh import (
     MeshShape,
@@ -28,9 +29,6 @@ from training.parallel.mesh import (
     host_batch_rows,
     model_groups_within_hosts,
 )
-
-Report = Callable[[dict], None]
-
 
 # Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
 DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
@@ -47,7 +45,7 @@ def _never() -> bool:
 def train(
     cfg: RunConfig,
     mesh: MeshShape,
-    report: Report,
+    report: Send,
     stop_requested: Callable[[], bool] = _never,
     phase: Phase | None = None,
 ) -> dict:
@@ -71,15 +69,14 @@ def train(
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
     report(
-        {
-            "event": "ready",
-            "rows": [feed.rows.start, feed.rows.stop],
-            "local_devices": [d.id for d in jax.local_devices()],
-            "mesh_coordinates": mesh_coordinates(grid, jax.local_devices()),
-            "setup_seconds": time.perf_counter() - started,
-            "data_fingerprint": dataset.spec.fingerprint,
-            "resumed_from_step": start,
-        }
+        Ready(
+            rows=[feed.rows.start, feed.rows.stop],
+            local_devices=[d.id for d in jax.local_devices()],
+            mesh_coordinates=mesh_coordinates(grid, jax.local_devices()),
+            setup_seconds=time.perf_counter() - started,
+            data_fingerprint=dataset.spec.fingerprint,
+            resumed_from_step=start,
+        )
     )
     examples_per_step = _distinct_examples(grid, cfg.trainer.global_batch, process)
     guard = StepGuard(
@@ -276,7 +273,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
             runner.carry[COUNTS].block_until_ready()
             phase.finished(done)
             phase.set(TRAINING)
-            report({"event": "compiled", "step": done, **compiled})
+            report(Compiled(step=done, **compiled))
         last = done == trainer.steps
         logged = done % trainer.log_interval == 0 or last
         stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
@@ -304,19 +301,18 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
         # driver a logged step past the newest checkpoint, which a restart rewinds and does
         # again, where the other order could lose the step's log for good.
         if logged:
-            event = {
-                "event": "step",
-                "step": done,
-                "loss": loss,
-                "seconds": time.perf_counter() - interval_start,
-                "steps": interval_steps,
-                "examples": examples_per_step * interval_steps,
-                "learning_rate": runner.learning_rate(),
-                "rows_fed": feed.rows_fed(step),
-            }
+            event = StepLogged(
+                step=done,
+                loss=loss,
+                seconds=time.perf_counter() - interval_start,
+                steps=interval_steps,
+                examples=examples_per_step * interval_steps,
+                learning_rate=runner.learning_rate(),
+                rows_fed=feed.rows_fed(step),
+            )
             if evaluate:
                 with phase.during("evaluating"):
-                    event["eval_loss"] = feed.held_out_loss(model)
+                    event = replace(event, eval_loss=feed.held_out_loss(model))
                 runner.from_keras()  # Keras' test step replaced the variables' arrays
             report(event)
         if save:

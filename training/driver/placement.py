@@ -1,0 +1,188 @@
+"""Where the hosts run: a host group is one actor per host, gang-scheduled through a Ray
+placement group, requested early, waited for in the queue of this job's groups, and shut
+down with every process it started on this node gone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+import ray
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from training.config import ClusterConfig, ConfigError
+from training.driver.cluster import (
+    alive_nodes,
+    describe_nodes,
+    host_bundles,
+    placement_strategy,
+)
+from training.gpus import RESOURCE_PREFIX, host_gpus
+from training.host.actor import HostActor, host_environment
+
+PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
+QUEUE_POLL_SECONDS = 1.0
+HOST_GROUP_PREFIX = "training-hosts"
+
+
+@dataclass
+class HostGroup:
+    """One actor per host, gang-scheduled through a placement group."""
+
+    cluster: ClusterConfig
+    name: str
+    placement: object
+    actors: list = field(default_factory=list)
+    local_pids: list[int] = field(default_factory=list)  # see `started`
+
+    @classmethod
+    def request(cls, cluster: ClusterConfig) -> HostGroup:
+        """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
+        actor once its host is placed, and the actor imports its libraries at once. So a
+        group requested early (during the driver's checks, or as a spare while another
+        group trains) is ready sooner when it is needed."""
+        bundles = host_bundles(cluster)
+        _check_local_gpus_offered(cluster, bundles)
+        name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
+        placement = placement_group(bundles, strategy=placement_strategy(cluster), name=name)
+        group = cls(cluster, name, placement)
+        try:
+            group._start_actors(bundles)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def wait_placed(self, notify: Callable[[str], None]) -> None:
+        """Wait until every host is placed; a ConfigError after cluster.placement_timeout_s
+        (the caller shuts the group down, whatever stops the wait: on a shared cluster its
+        placement group and actors would hold devices)."""
+        cluster, bundles = self.cluster, host_bundles(self.cluster)
+        if not _wait_for_placement(self.placement, self.name, cluster.placement_timeout_s, notify):
+            raise ConfigError(
+                f"the Ray cluster could not place {cluster.hosts} hosts of {_describe(bundles)} "
+                f"({placement_strategy(cluster)}) within cluster.placement_timeout_s="
+                f"{cluster.placement_timeout_s:g}s; it has "
+                f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
+            )
+
+    def _start_actors(self, bundles: list[dict]) -> None:
+        cluster = self.cluster
+        local_gpus = host_gpus(cluster) if cluster.name == "local" else None
+        for host, bundle in enumerate(bundles):
+            # Local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES; on a Ray cluster
+            # Ray sets it from the `GPU` count the actor holds.
+            env = host_environment(
+                cluster.platform,
+                cluster.devices_per_host,
+                gpus=local_gpus[host] if local_gpus else None,
+                inherited=dict(os.environ) if cluster.name == "local" else {},
+            )
+            custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+            actor = HostActor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0.0),
+                resources=custom,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=host
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(host, cluster.hosts, cluster.platform)
+            self.actors.append(actor)
+
+    def started(self, identities: list[dict]) -> None:
+        """Note the hosts' processes that run on this node, to see them gone at shutdown."""
+        here = ray.get_runtime_context().get_node_id()
+        self.local_pids = [i["pid"] for i in identities if i["node_id"] == here]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        remove_placement_group(self.placement)
+        _stop_processes(self.local_pids)
+        self.local_pids = []
+
+
+def _stop_processes(pids: list[int]) -> None:
+    """Ray's kill asks a host's process to exit, which a stopped or stalled process may not do
+    for seconds; until it does, it holds its devices (a GPU's memory) while the next group
+    starts on them. Give those on this node a moment, then kill them outright."""
+    deadline = time.monotonic() + PROCESS_EXIT_SECONDS
+    left = [pid for pid in pids if _running(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if _running(pid)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(bundles: list[dict]) -> str:
+    return str(bundles[0]) if all(b == bundles[0] for b in bundles) else str(bundles)
+
+
+def _check_local_gpus_offered(cluster: ClusterConfig, bundles: list[dict]) -> None:
+    """A local GPU run joined a Ray instance it did not start (the caller's): the hosts' GPU
+    resources must be there, or placement would only time out."""
+    wanted = {k for bundle in bundles for k in bundle if k.startswith(RESOURCE_PREFIX)}
+    missing = sorted(wanted - set(ray.cluster_resources()))
+    if missing:
+        raise ConfigError(
+            f"the Ray instance this run uses offers no {', '.join(missing)}: a local GPU run "
+            "needs a Ray instance it starts itself (training.driver.cluster.connect_ray), which "
+            "offers each GPU as such a resource"
+        )
+
+
+def _job_group_prefix() -> str:
+    """The name prefix of this Ray job's host groups: a sweep's trials are one job."""
+    return f"{HOST_GROUP_PREFIX}:{ray.get_runtime_context().get_job_id()}:"
+
+
+def _others_hold_hosts(name: str) -> bool:
+    """Whether another host group of this Ray job (another trial of a sweep) is placed."""
+    prefix = _job_group_prefix()
+    return any(
+        group["name"].startswith(prefix) and group["name"] != name and group["state"] == "CREATED"
+        for group in placement_group_table().values()
+    )
+
+
+def _wait_for_placement(
+    placement, name: str, timeout_s: float, notify: Callable[[str], None]
+) -> bool:
+    """Wait until all the group's hosts are placed at once; False after `timeout_s` without.
+
+    While other host groups of this job hold the cluster, this one is queued behind them
+    and the timeout is not running: they free their hosts when their trials end."""
+    ready = placement.ready()
+    unqueued_since = time.monotonic()
+    told = False
+    while not ray.wait([ready], timeout=QUEUE_POLL_SECONDS)[0]:
+        if _others_hold_hosts(name):
+            unqueued_since = time.monotonic()
+            if not told:
+                notify("queued: waiting for hosts held by other trials of this sweep")
+                told = True
+        elif time.monotonic() - unqueued_since > timeout_s:
+            return False
+    return True

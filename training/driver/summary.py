@@ -1,0 +1,173 @@
+"""summary.json: what a run did, in one place. Built from the config, the driver's checks,
+the joined metrics, what the driver saw of the hosts (`Observed`), the restarts and the
+hosts' results; written when the run ends, also when it fails."""
+
+from __future__ import annotations
+
+import signal
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from training.checkpoint.inspection import newest_step
+from training.checkpoint.storage import directory_bytes
+from training.config import RunConfig
+from training.driver.metrics import per_host_step_seconds, steady_examples_per_second, write_json
+from training.driver.preflight import Checked
+from training.driver.restarts import Restarts
+from training.models import SPLIT_THRESHOLD_BYTES
+
+
+@dataclass
+class Observed:
+    """What the driver saw of the run while it went, for the summary."""
+
+    started: float = field(default_factory=time.perf_counter)
+    started_at: float = field(default_factory=time.time)
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds in when reached
+    identities: list[dict] = field(default_factory=list)
+    compiles: dict[int, dict] = field(default_factory=dict)  # host -> step's compile, cache
+    # Where the run's first host group resumed, as the hosts saw checkpoint.dir (on a
+    # cluster the driver may not see it at all).
+    resumed_from_step: int | None = None
+
+    def mark(self, phase: str) -> None:
+        """The run reached `phase` (the first time counts)."""
+        self.timings.setdefault(phase, time.perf_counter() - self.started)
+
+
+def run_status(results: list[dict], steps: int) -> str:
+    reached = min(r["reached_step"] for r in results)
+    return "completed" if reached >= steps else "preempted"
+
+
+def build_summary(
+    status: str,
+    cfg: RunConfig,
+    checked: Checked,
+    seen: Observed,
+    records: list[dict],
+    rows_checked_steps: int,
+    restarts: Restarts,
+    results: list[dict],
+    stop_signal: int | None,
+    error: BaseException | None = None,
+) -> dict:
+    """summary.json's dict; `records`: the joined logged steps; `results`: each host's
+    return (none after a failure)."""
+    built = {
+        "status": status,
+        "strategy": cfg.strategy.name,
+        "mesh": checked.mesh.as_dict(),
+        "hosts": checked.hosts,
+        "devices_per_host": checked.devices_per_host,
+        "devices_total": checked.mesh.devices,
+        "steps": cfg.trainer.steps,
+        "global_batch": cfg.trainer.global_batch,
+        "loss_history": [r["loss"] for r in records],
+        "logged_steps": [r["step"] for r in records],
+        "final_loss": records[-1]["loss"] if records else None,
+        "per_host_final_loss": [r["final_loss"] for r in results],
+        # Logged steps at which every host fed exactly its rows of the global batch.
+        "rows_fed_checked_steps": rows_checked_steps,
+        "hosts_agree_on_loss": all(
+            r["hosts_agree"] and r.get("eval_hosts_agree", True) for r in records
+        ),
+        **_held_out_summary(records, checked.data_spec.baseline_loss),
+        "examples_per_second": steady_examples_per_second(records) if records else None,
+        "per_host_step_seconds": per_host_step_seconds(records) if records else None,
+        "wall_seconds": time.perf_counter() - seen.started,
+        # Wall-clock times, comparable across the trials of a sweep.
+        "started_at": seen.started_at,
+        "finished_at": time.time(),
+        "phase_seconds": seen.timings,
+        **_compile_summary(seen.compiles),
+        "host_identities": seen.identities,
+        # Each GPU taking part (nvidia-smi index, kind, memory) with the host holding it.
+        "gpus": [
+            {"host": identity["host"], **gpu}
+            for identity in seen.identities
+            for gpu in identity.get("gpus") or []
+        ],
+        "resumed_from_step": (
+            seen.resumed_from_step
+            if seen.resumed_from_step is not None
+            else checked.resume_step or 0
+        ),
+        "restarts": len(restarts),
+        "failures": restarts.failures(),
+        **_checkpoint_summary(cfg, results, stop_signal),
+        "config": asdict(cfg),
+    }
+    if results:
+        built.update(_layout_summary(results[0]))
+    if error is not None:
+        built["error"] = f"{type(error).__name__}: {error}"
+        built["traceback"] = traceback.format_exception(error)
+    return built
+
+
+def write_summary(output_dir: Path, summary: dict) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_json(output_dir / "summary.json", summary)
+
+
+def _compile_summary(compiles: dict[int, dict]) -> dict:
+    """How long the (latest host group's) train step took to compile, and whether the
+    persistent compilation cache served it: `miss` if any host compiled afresh, `hit` if
+    every host loaded it, `off` if no host used a cache."""
+    hosts = [compiles[h] for h in sorted(compiles)]
+    if not hosts:
+        return {}
+    outcomes = {h["compile_cache"] for h in hosts}
+    overall = "miss" if "miss" in outcomes else "hit" if outcomes == {"hit"} else "off"
+    return {
+        "compile_seconds": max(h["compile_seconds"] for h in hosts),
+        "compile_cache": overall,
+        "per_host_compile": hosts,
+    }
+
+
+def _checkpoint_summary(cfg: RunConfig, results: list[dict], stop_signal: int | None) -> dict:
+    if not cfg.checkpoint.enabled:
+        return {}
+    summary = {"checkpoint_dir": cfg.checkpoint.dir}  # absolute, or a bucket URL
+    if results and (step := newest_step(cfg.checkpoint)) is not None:
+        summary["checkpoint_step"] = step
+        summary["checkpoint_bytes"] = directory_bytes(cfg.checkpoint, step)
+    if stop_signal is not None:
+        summary["stopped_by"] = signal.Signals(stop_signal).name
+    return summary
+
+
+def _held_out_summary(records: list[dict], baseline_loss: float) -> dict:
+    evaluated = [r for r in records if "eval_loss" in r]
+    last = evaluated[-1] if evaluated else {}
+    return {
+        "eval_loss": last.get("eval_loss"),
+        "eval_perplexity": last.get("eval_perplexity"),
+        "eval_history": [[r["step"], r["eval_loss"]] for r in evaluated],
+        # What a model that knows only the training labels' frequencies scores held out.
+        "baseline_eval_loss": baseline_loss,
+    }
+
+
+def _layout_summary(result: dict) -> dict:
+    variables, optimizer = result["variables"], result["optimizer_variables"]
+    replicated = {p: v for p, v in variables.items() if v["shard_bytes"] == v["bytes"]}
+    return {
+        "variable_shardings": {path: v["spec"] for path, v in variables.items()},
+        "variables": variables,
+        "parameter_bytes_total": sum(v["bytes"] for v in variables.values()),
+        "parameter_bytes_per_device": sum(v["shard_bytes"] for v in variables.values()),
+        "parameter_bytes_replicated": sum(v["bytes"] for v in replicated.values()),
+        "replicated_above_threshold": sorted(
+            p for p, v in replicated.items() if v["bytes"] > SPLIT_THRESHOLD_BYTES
+        ),
+        "optimizer_bytes_total": sum(v["bytes"] for v in optimizer.values()),
+        "optimizer_bytes_per_device": sum(v["shard_bytes"] for v in optimizer.values()),
+        "mesh_devices": result["mesh_devices"],
+        "device_hosts": result["device_hosts"],
+        "model_groups_within_hosts": result["model_groups_within_hosts"],
+    }

@@ -1,0 +1,106 @@
+"""What a host tells the driver while it trains: each event once, as a frozen dataclass.
+
+Hosts build them and send them through a `Send`; the host actor wraps each in `FromHost`
+and puts it on a Ray queue (pickled), and the driver reads them by attribute. This module
+sits below both sides: it imports neither `training.host` nor `training.driver`.
+
+A host is in one phase at a time: joining the JAX cluster, building the model, restoring a
+checkpoint, compiling (the first step, until its result), training, evaluating or saving.
+It beats every BEAT_SECONDS with its phase; the driver bounds each phase
+(`training.driver.watchdog`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BEAT_SECONDS = 1.0
+# Until the first step's result: bounded together by fault.startup_timeout_s.
+STARTUP_PHASES = ("starting", "joining", "building", "restoring", "compiling")
+TRAINING = "training"
+# Inside training, each bounded by fault.step_timeout_s.
+PAUSES = ("evaluating", "saving")
+
+
+@dataclass(frozen=True)
+class Beat:
+    """The host's phase, how long it has lasted, and the last step whose result the host
+    has seen (None before the first)."""
+
+    phase: str
+    phase_seconds: float
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The host joined the JAX cluster, after `seconds`."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The host built its model (and restored a checkpoint): about to compile."""
+
+    rows: list[int]  # [start, stop) of its rows of each batch
+    local_devices: list[int]
+    mesh_coordinates: list[list[int]]  # each local device's (data, model) position
+    setup_seconds: float
+    data_fingerprint: str
+    resumed_from_step: int
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The first step's result: how long the step took to compile and whether the
+    persistent compilation cache served it (`training.host.compile_cache.cache_outcome`)."""
+
+    step: int
+    compile_seconds: float
+    compile_cache: str  # hit, miss or off
+    compile_cache_hits: int
+    compile_cache_misses: int
+
+
+@dataclass(frozen=True)
+class StepLogged:
+    """A logged step and the interval of steps since the previous one."""
+
+    step: int
+    loss: float  # the interval's mean
+    seconds: float
+    steps: int
+    examples: float  # the host's share of the distinct examples the steps fed
+    learning_rate: float
+    rows_fed: list[int]  # the example ids the host fed at `step`
+    eval_loss: float | None = None  # where the host evaluated at `step`
+
+
+@dataclass(frozen=True)
+class HostWarning:
+    """A Python warning or a logging record of WARNING and above on the host."""
+
+    source: str
+    message: str
+
+
+Event = Beat | Joined | Ready | Compiled | StepLogged | HostWarning
+Send = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class FromHost:
+    """An event as it travels to the driver: with the host that sent it."""
+
+    host: int
+    event: Event
+
+
+def finished_step(event: Event) -> int | None:
+    """The last step the host has finished, as `event` tells it: a beat's, the first
+    step's, a logged step's; None for the others and for a beat before the first."""
+    if isinstance(event, Beat | Compiled | StepLogged):
+        return event.step
+    return None
