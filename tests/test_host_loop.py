@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import run_config
 from training.checkpoint import newest_step
-from training.host.actor import trainer
+from training.host import trainer
 from training.host.phases import Phase
 from training.parallel.mesh import MeshShape, device_grid
 
@@ -166,7 +166,7 @@ def compile_in_subprocess(cache: Path) -> dict:
 import json, os
 os.environ.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                   KERAS_BACKEND="jax")
-from training.host.actor import trainer
+from training.host import trainer
 from training.config import compose_run_config
 from training.parallel.mesh import MeshShape
 reports = []

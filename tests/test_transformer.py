@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import run_config
 from training import models
 from training.data import build_dataset
-from training.host.actor import trainer
+from training.host import trainer
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
 
