@@ -19,6 +19,7 @@ from hydra_plugins.training_launcher.host_group_launcher import (
 from tests.conftest import FAST, run_config
 from tests.test_checkpoint import HYBRID, snapshot, trained_checkpoint
 from training import checkpoint
+from training.build import build_on_grid
 from training.checkpoint import (
     CheckpointError,
     HostCheckpoints,
@@ -29,7 +30,6 @@ from training.checkpoint import (
 )
 from training.config import CheckpointConfig, ConfigError
 from training.driver.preflight import preflight
-from training.host.trainer import build_on_grid
 from training.parallel.mesh import MeshShape, device_grid
 
 

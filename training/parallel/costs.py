@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from training import models
+from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.data import DataSpec
-from training.host.trainer import DTYPE_POLICIES
 from training.models import LayoutRules, VariableInfo, rule_axes
 from training.optimizers import build_optimizer
 from training.parallel.auto_layout import derive
