@@ -43,8 +43,8 @@ import string
 
 from training.models import rule_axes
 from training.parallel import layer_graph
-from training.parallel.collectives import Collective
-from training.parallel.dtypes import dtype_bytes
+from training.parallel.collectives import Collective, gathered_weight
+from training.parallel.dtypes import array_bytes
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
@@ -75,9 +75,7 @@ def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.trainable_variables:
         if "model" in rule_axes(variable.path, rules):
-            size = math.prod(variable.shape) * dtype_bytes(str(variable.dtype))
-            found.append(Collective("all-gather", size, n, f"forward: {variable.path}"))
-            found.append(Collective("reduce-scatter", size, n, f"backward: {variable.path}"))
+            found += gathered_weight(variable.path, array_bytes(variable.shape, variable.dtype), n)
     return found
 
 
@@ -384,9 +382,7 @@ class Derivation:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
                 operands.append(_split_dim(self.weight_axes(w)) - len(w.shape))
             else:
-                size = math.prod(w.shape) * dtype_bytes(str(w.dtype))
-                self._add("all-gather", size, f"forward: {w.path}")
-                self._add("reduce-scatter", size, f"backward: {w.path} gradient")
+                self.found += gathered_weight(w.path, array_bytes(w.shape, w.dtype), self.n)
         reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
         if not elementwise or any(d in reduced for d in operands):
             for t in ins:
