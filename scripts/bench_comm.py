@@ -35,6 +35,7 @@ from training.models import transformer  # noqa: E402
 from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
 from training.parallel.compiled import BENCH_TRANSFORMER, measure_step  # noqa: E402
 from training.parallel.costs import abstract_model, strategy_cost  # noqa: E402
+from training.parallel.megatron import megatron_minimum  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 
 # A small transformer: every strategy compiles in well under a minute.
@@ -78,9 +79,7 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
         f"(live / plan {live / predicted:.3f})"
     )
     if cfg.model.build == transformer.__name__ + ":build":
-        minimum = transformer.megatron_minimum(
-            plan.examples_per_data_shard, 4, mesh.model, **cfg.model.kwargs
-        )
+        minimum = megatron_minimum(plan.examples_per_data_shard, 4, mesh.model, **cfg.model.kwargs)
         # every parameter split over the model axis, its gradient all-reduced over the data axis
         gradients = Collective("all-reduce", whole.parameter_bytes / mesh.model, mesh.data)
         megatron = sent_bytes([*minimum, gradients]) if mesh.model > 1 else plan.sent_bytes

@@ -144,7 +144,7 @@ def plain_process(process: int, port: int, launched: float, steps: int, override
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
     joined = time.time()
-    from training.host.trainer import build_on_grid
+    from training.build import build_on_grid
     from training.parallel.mesh import MeshShape, device_grid, host_batch_rows
 
     cfg = compose_run_config(overrides)
@@ -236,7 +236,8 @@ def loop_overhead(steps: int, extra: list[str]) -> dict:
     import jax
     import keras
 
-    from training.host.trainer import build_on_grid, train
+    from training.build import build_on_grid
+    from training.host.trainer import train
     from training.parallel.mesh import MeshShape, device_grid
 
     overrides = [

@@ -136,7 +136,7 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
                 "strategy.layout=auto",
             ]
         )
-        from training.host.trainer import build_on_grid
+        from training.build import build_on_grid
         from training.parallel.auto_layout import derive_for_config, settled
         from training.parallel.mesh import device_grid
 

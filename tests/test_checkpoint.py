@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import FAST, run_config
+from training.build import build_on_grid
 from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError
 from training.driver.preflight import preflight
 from training.host.checkpoints import HostCheckpoints
-from training.host.trainer import build_on_grid
 from training.parallel.mesh import MeshShape, device_grid
 
 HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]

@@ -18,12 +18,12 @@ from hydra_plugins.training_launcher.host_group_launcher import (
 )
 from tests.conftest import FAST, run_config
 from tests.test_checkpoint import HYBRID, snapshot, trained_checkpoint
+from training.build import build_on_grid
 from training.checkpoint.storage import CheckpointError, checkpoint_path, open_manager
 from training.checkpoint.views import check_host_views, host_view
 from training.config import CheckpointConfig, ConfigError
 from training.driver.preflight import preflight
 from training.host.checkpoints import HostCheckpoints, agree_on_directory
-from training.host.trainer import build_on_grid
 from training.parallel.mesh import MeshShape, device_grid
 
 

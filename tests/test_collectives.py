@@ -4,10 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from training.contracts import VariableInfo
 from training.parallel.collectives import Collective, from_hlo
-from training.parallel.costs import variable_bytes
-from training.parallel.dtypes import dtype_bytes, hlo_dtype_bytes
+from training.parallel.dtypes import array_bytes, dtype_bytes, hlo_dtype_bytes
 
 
 @pytest.mark.parametrize(
@@ -29,7 +27,7 @@ def test_hlo_element_types_map_to_their_numpy_dtypes(name, size):
 
 
 def test_a_float8_variable_takes_one_byte_per_value():
-    assert variable_bytes(VariableInfo("w", (64, 32), "float8_e4m3fn")) == 64 * 32
+    assert array_bytes((64, 32), "float8_e4m3fn") == 64 * 32
 
 
 def test_a_float8_collective_is_read_at_one_byte_per_value():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_config
+from training.build import build_on_grid
 from training.checkpoint.inspection import newest_step
 from training.events import StepLogged
 from training.host import trainer
@@ -42,7 +43,7 @@ def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
     """The same model, mesh and micro-batches through Keras' `train_on_batch`, waiting for
     every loss: each logged interval's mean, and the held-out loss at the end."""
     cfg = run_config(HYBRID + overrides)
-    model, dataset = trainer.build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
+    model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     t = cfg.trainer
     rows = slice(0, t.micro_batch)
     means, interval = [], []

@@ -19,10 +19,10 @@ import pytest
 
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from tests.test_checkpoint import HYBRID, values
+from training.build import build_on_grid
 from training.driver.logs import RUN_LOG
 from training.driver.restarts import HostFailure
 from training.host.checkpoints import HostCheckpoints
-from training.host.trainer import build_on_grid
 from training.parallel.mesh import MeshShape, device_grid
 from training.run import run_training
 

@@ -13,6 +13,7 @@ from training.models import mlp as mlp_module
 from training.models import transformer as transformer_module
 from training.parallel import collectives
 from training.parallel.compiled import train_step_hlo
+from training.parallel.megatron import megatron_minimum
 from training.parallel.tensor_parallel import model_axis_collectives
 
 # -- the built-in models, and models of other shapes -------------------------------------------
@@ -221,7 +222,7 @@ def test_transformer_is_the_megatron_minimum_plus_what_xla_adds(mesh):
     builder = functools.partial(transformer, **BENCH)
     measured = measured_model_axis(builder, TRANSFORMER_RULES, mesh, x, y)
     examples = len(x) // mesh[0]
-    minimum = transformer_module.megatron_minimum(examples, 4, mesh[1], **BENCH)
+    minimum = megatron_minimum(examples, 4, mesh[1], **BENCH)
     ratio = collectives.sent_bytes(measured) / collectives.sent_bytes(minimum)
     print(f"{mesh}: {ratio:.4f} × the Megatron minimum")
     assert 1.0 <= ratio <= 1.05

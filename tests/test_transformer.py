@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import run_config
 from training import models
+from training.build import DTYPE_POLICIES, describe_variables
 from training.data import build_dataset
 from training.events import StepLogged
 from training.host import trainer
@@ -57,7 +58,7 @@ def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> li
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_large_variable_is_split_over_the_model_axis(tied):
     model = build_under("hybrid", MeshShape(2, 4), TEXT + [f"model.kwargs.tie_embeddings={tied}"])
-    variables = trainer.describe_variables(model.variables)
+    variables = describe_variables(model.variables)
     total = sum(v["bytes"] for v in variables.values())
     per_device = sum(v["shard_bytes"] for v in variables.values())
     for path, v in variables.items():
@@ -86,7 +87,7 @@ def test_gradient_accumulation_learns_what_the_whole_batch_does():
 
 
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
-    keras.config.set_dtype_policy(trainer.DTYPE_POLICIES["bfloat16"])
+    keras.config.set_dtype_policy(DTYPE_POLICIES["bfloat16"])
     model = build_under("hybrid", MeshShape(2, 4), TINY)
     assert model.get_layer("block_0_mlp_up").compute_dtype == "bfloat16"
     assert {v.dtype for v in model.variables} == {"float32"}

@@ -33,8 +33,8 @@ from training.parallel.costs import (  # noqa: E402
     layout_rules,
     split_ways,
     strategy_cost,
-    variable_bytes,
 )
+from training.parallel.dtypes import array_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 
 SPEEDUP_DEVICES = (1, 2, 4, 8)
@@ -148,7 +148,8 @@ def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) 
     return [
         f"{v.path} {list(v.shape)}"
         for v in model.variables
-        if split_ways(v.path, rules, cost.mesh) == 1 and variable_bytes(v) > SPLIT_THRESHOLD_BYTES
+        if split_ways(v.path, rules, cost.mesh) == 1
+        and array_bytes(v.shape, v.dtype) > SPLIT_THRESHOLD_BYTES
     ]
 
 

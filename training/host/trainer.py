@@ -12,26 +12,20 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from training import models
+from training.build import build_on_grid, describe_variables
 from training.config import RunConfig, TrainerConfig
 from training.contracts import Dataset
-from training.data import build_dataset
 from training.events import TRAINING, Compiled, Ready, Send, StepLogged
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.loop import COUNTS, CompiledStep, Prefetcher
 from training.host.phases import Phase
-from training.optimizers import build_optimizer
 from training.parallel.mesh import (
     MeshShape,
-    build_distribution,
     device_grid,
     host_batch_rows,
     model_groups_within_hosts,
 )
-
-# Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
-DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -103,26 +97,6 @@ def train(
         "device_hosts": {d.id: d.process_index for d in grid.reshape(-1)},
         "model_groups_within_hosts": model_groups_within_hosts(grid),
     }
-
-
-def build_on_grid(cfg: RunConfig, grid: np.ndarray):
-    """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
-    import keras
-
-    # Same seed on every host, or the replicated initial weights differ between processes.
-    keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    rules = {}
-    if cfg.strategy.name != "data_parallel":
-        rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
-    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
-    dataset = build_dataset(cfg.data)
-    model = models.build_model(cfg.model, dataset.spec)
-    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
-    model.compile(optimizer=optimizer, loss=models.build_loss(cfg.model))
-    # Built now rather than at the first step, so that a checkpoint can be restored into it.
-    optimizer.build(model.trainable_variables)
-    return model, dataset
 
 
 @dataclass
@@ -340,22 +314,3 @@ def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> flo
     processes = {d.process_index for d in grid.reshape(-1)}
     sharing = sum(host_batch_rows(grid, p, global_batch) == rows for p in processes)
     return (rows.stop - rows.start) / sharing
-
-
-def describe_variables(variables) -> dict[str, dict]:
-    """Sharding of every variable, read from the live arrays rather than from the config."""
-    from jax.sharding import PartitionSpec
-
-    described = {}
-    for variable in variables:
-        array = variable.value
-        shard = array.addressable_shards[0].data
-        described[variable.path] = {
-            # A one-device run's arrays have a SingleDeviceSharding, which has no spec.
-            "spec": str(getattr(array.sharding, "spec", PartitionSpec())),
-            "shape": list(array.shape),
-            "bytes": int(array.nbytes),
-            "shard_shape": list(shard.shape),
-            "shard_bytes": int(shard.nbytes),
-        }
-    return described

@@ -7,18 +7,16 @@ output head that is its own (vocabulary, d_model) table or the token embedding r
 Splitting: the fused query/key/value kernel by heads and the MLP's up kernel by columns, so each
 device computes whole heads and its slice of the hidden activation; the attention output and MLP
 down kernels by rows, so each block needs one all-reduce after attention and one after the MLP
-(and, backward, one for each of their inputs' gradients: the Megatron minimum). The
-embeddings and the head split along the vocabulary, the positions along the hidden dimension.
-Norms and the biases added after an all-reduce stay replicated: they are vectors of d_model
-values.
+(and, backward, one for each of their inputs' gradients: the Megatron minimum, counted in
+`training.parallel.megatron`). The embeddings and the head split along the vocabulary, the
+positions along the hidden dimension. Norms and the biases added after an all-reduce stay
+replicated: they are vectors of d_model values.
 """
 
 from __future__ import annotations
 
 import keras
 from keras import ops
-
-from training.parallel.collectives import Collective
 
 RULES = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
@@ -38,21 +36,6 @@ RULES = {
     r"block_\d+_mlp_up/output": ("data", None, "model"),
     r"(block_\d+_\w+|final)_norm/output": ("data", None, None),
 }
-
-
-def megatron_minimum(
-    examples: int, value_bytes: int, n: int, layers: int, d_model: int, seq_len: int, **_
-) -> list[Collective]:
-    """What RULES must send over a model group of `n` devices in one step on `examples`
-    sequences (Megatron's count): per block one all-reduce of the hidden state after attention
-    and one after the MLP, and one of each of their inputs' gradients; the embedding's
-    all-reduce and the output head's input gradient; the softmax's maximum and sum of
-    exponentials over the split vocabulary; and the position table gathered."""
-    tokens = examples * seq_len
-    hidden = Collective("all-reduce", tokens * d_model * value_bytes, n, "hidden state")
-    softmax = Collective("all-reduce", tokens * 4, n, "softmax")
-    positions = Collective("all-gather", seq_len * d_model * 4, n, "position table")
-    return [hidden] * (4 * layers + 2) + [softmax] * 2 + [positions]
 
 
 def init() -> keras.initializers.Initializer:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.parallel.tensor_parallel import PARTIAL, REPLICATED, _Derivation, _graph
+from training.parallel import layer_graph
+from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -72,11 +73,11 @@ class AutoLayout:
 def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> AutoLayout:
     """The layout of a built keras.Model (abstract or not) on a model axis of `mesh_model`."""
     chooser = _Chooser(model, dict(overrides or {}), mesh_model)
-    graph = _graph(model)
+    graph = layer_graph.graph(model)
     if graph is not None:
         chooser.run(*graph)
     for variable in model.trainable_variables:  # those the walk did not reach
-        chooser._weight_axes(variable)
+        chooser.weight_axes(variable)
     chooser.split_biases(model)
     chooser.split_small_matrices()
     return chooser.result(model)
@@ -102,7 +103,7 @@ def uses_auto_layout(cfg: RunConfig) -> bool:
     return cfg.strategy.layout == AUTO_LAYOUT and cfg.strategy.name != "data_parallel"
 
 
-class _Chooser(_Derivation):
+class _Chooser(Derivation):
     """The derivation of `training.parallel.tensor_parallel`, choosing each weight's layout on first
     sight instead of reading it from the rules (which start as the user's overrides)."""
 
@@ -118,7 +119,7 @@ class _Chooser(_Derivation):
     # -- weights ------------------------------------------------------------------------------
 
     def _decide(self, variable, choose) -> tuple:
-        given = super()._weight_axes(variable)
+        given = super().weight_axes(variable)
         if given or variable.path in self.decided:
             return given
         axes, why = choose()
@@ -128,7 +129,7 @@ class _Chooser(_Derivation):
         self.reasons[variable.path] = why
         return axes
 
-    def _kernel_axes(self, kernel, kernel_subs, input_letter, output_subs):
+    def kernel_axes(self, kernel, kernel_subs, input_letter, output_subs):
         def choose():
             if input_letter and input_letter in kernel_subs and input_letter not in output_subs:
                 self.pairs_formed = True
@@ -152,7 +153,7 @@ class _Chooser(_Derivation):
 
         return self._decide(kernel, choose)
 
-    def _table_axes(self, table):
+    def table_axes(self, table):
         def choose():
             if _elements(table) < REPLICATED_BELOW:
                 return self._small_axes(table)
@@ -166,7 +167,7 @@ class _Chooser(_Derivation):
 
         return self._decide(table, choose)
 
-    def _weight_axes(self, weight):
+    def weight_axes(self, weight):
         def choose():
             if _elements(weight) < REPLICATED_BELOW:
                 return self._small_axes(weight)
@@ -226,10 +227,10 @@ class _Chooser(_Derivation):
 
     # -- activations --------------------------------------------------------------------------
 
-    def _set_output(self, layer_path: str, tensor, state) -> None:
+    def set_output(self, layer_path: str, tensor, state) -> None:
         key = f"{layer_path}{ACTIVATION_RULE_SUFFIX}"
         batched = bool(tensor.shape) and tensor.shape[0] is None
-        if layer_path in self.layer_paths and batched and not super()._weight_axes(_Named(key)):
+        if layer_path in self.layer_paths and batched and not super().weight_axes(_Named(key)):
             target = REPLICATED if state in (REPLICATED, PARTIAL) else state
             axes = ["data"] + [None] * (len(tensor.shape) - 1)
             if target is not REPLICATED:
@@ -238,7 +239,7 @@ class _Chooser(_Derivation):
             self.reasons[key] = "its output: batch over data, " + (
                 "whole over model" if target is REPLICATED else "split over model"
             )
-        super()._set_output(layer_path, tensor, state)
+        super().set_output(layer_path, tensor, state)
 
     # -- the result ---------------------------------------------------------------------------
 

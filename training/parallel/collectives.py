@@ -43,6 +43,15 @@ def sent_bytes(collectives: list[Collective]) -> float:
     return sum(c.sent_bytes for c in collectives)
 
 
+def gathered_weight(path: str, whole_bytes: float, group: int) -> list[Collective]:
+    """A weight kept split over a group but used whole: gathered before use (forward), its
+    gradient reduce-scattered back to the shards (backward)."""
+    return [
+        Collective("all-gather", whole_bytes, group, f"forward: {path}"),
+        Collective("reduce-scatter", whole_bytes, group, f"backward: {path} gradient"),
+    ]
+
+
 _OP = re.compile(
     r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
 )

@@ -41,7 +41,7 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     import jax
 
     # Imported here: keras, which the benchmarks' constants above need not import.
-    from training.host.trainer import build_on_grid
+    from training.build import build_on_grid
 
     if uses_auto_layout(cfg):  # as the driver settles it before the hosts start
         cfg = settled(cfg, derive_for_config(cfg, mesh.model))
@@ -75,6 +75,6 @@ def train_step_hlo(model, x, y) -> str:
 
 
 def _shard_bytes(variables) -> int:
-    from training.host.trainer import describe_variables
+    from training.build import describe_variables
 
     return sum(v["shard_bytes"] for v in describe_variables(variables).values())

@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from training import models
+from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
-from training.host.trainer import DTYPE_POLICIES
 from training.models import rule_axes
 from training.optimizers import build_optimizer
 from training.parallel.auto_layout import derive
-from training.parallel.collectives import Collective, sent_bytes
-from training.parallel.dtypes import dtype_bytes
+from training.parallel.collectives import Collective, gathered_weight, sent_bytes
+from training.parallel.dtypes import array_bytes, dtype_bytes
 from training.parallel.mesh import MeshShape
 from training.parallel.tensor_parallel import model_axis_collectives
 
@@ -182,10 +182,6 @@ def _attention(layer) -> _Attention | None:
     return None
 
 
-def variable_bytes(variable: VariableInfo) -> int:
-    return math.prod(variable.shape) * dtype_bytes(variable.dtype)
-
-
 def layout_rules(
     cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
 ) -> LayoutRules:
@@ -264,7 +260,7 @@ def strategy_cost(
     rules = layout_rules(cfg, strategy, mesh, model)
 
     def per_device(variable: VariableInfo, layout_path: str) -> int:
-        return variable_bytes(variable) // split_ways(layout_path, rules, mesh)
+        return array_bytes(variable.shape, variable.dtype) // split_ways(layout_path, rules, mesh)
 
     parameters = {v.path: per_device(v, v.path) for v in model.variables}
     optimizer = sum(per_device(v, owner or v.path) for v, owner in model.optimizer_variables)
@@ -305,7 +301,5 @@ def data_axis_collectives(
     replicated = sum(parameters[path] for path in trainable if path not in sharded)
     found = [Collective("all-reduce", replicated, mesh.data, "gradients")]
     for path in sharded:
-        whole = parameters[path] * mesh.data
-        found.append(Collective("all-gather", whole, mesh.data, f"forward: {path}"))
-        found.append(Collective("reduce-scatter", whole, mesh.data, f"backward: {path} gradient"))
+        found += gathered_weight(path, parameters[path] * mesh.data, mesh.data)
     return found

@@ -1,8 +1,10 @@
-"""Bytes of one value of a dtype, from numpy and ml_dtypes (bfloat16, the float8 and float4
-families), for dtypes named as Keras and numpy name them and as XLA's HLO text does."""
+"""Bytes of one value of a dtype, and of an array, from numpy and ml_dtypes (bfloat16, the
+float8 and float4 families), for dtypes named as Keras and numpy name them and as XLA's HLO
+text does."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -19,6 +21,12 @@ def dtype_bytes(name: str) -> int:
     import ml_dtypes
 
     return np.dtype(getattr(ml_dtypes, name, name)).itemsize
+
+
+def array_bytes(shape, dtype) -> int:
+    """Bytes of an array (a variable, abstract or live) of `shape` and `dtype`, a name or a
+    dtype that prints as one."""
+    return math.prod(shape) * dtype_bytes(str(dtype))
 
 
 def hlo_dtype_bytes(name: str) -> int | None:

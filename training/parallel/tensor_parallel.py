@@ -42,8 +42,9 @@ import math
 import string
 
 from training.models import rule_axes
-from training.parallel.collectives import Collective
-from training.parallel.dtypes import dtype_bytes
+from training.parallel import layer_graph
+from training.parallel.collectives import Collective, gathered_weight
+from training.parallel.dtypes import array_bytes
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
@@ -64,93 +65,17 @@ def model_axis_collectives(
     """
     if mesh_model <= 1:
         return []
-    graph = _graph(model)
+    graph = layer_graph.graph(model)
     if graph is None:
         return _weight_gathers(model, rules, mesh_model)
-    return _Derivation(rules, mesh_model, examples, value_bytes).run(*graph)
-
-
-def _graph(model):
-    """(inputs, outputs, nodes in execution order) of the model's layer graph, or None."""
-    functional = model if hasattr(model, "_nodes_by_depth") else None
-    functional = functional or getattr(model, "_functional", None)  # Sequential
-    if functional is None:
-        functional = _traced(model)
-    if functional is None:
-        return None
-    by_depth = functional._nodes_by_depth
-    nodes = [
-        node
-        for depth in sorted(by_depth, reverse=True)
-        for node in by_depth[depth]
-        if node.operation is not None and not node.is_input
-    ]
-    return list(functional.inputs), list(functional.outputs), nodes
-
-
-def _traced(model):
-    """A subclassed model's graph: its `call` run on symbolic inputs of the shapes it was built
-    with records a node per layer (and per keras.ops call), as a functional model has."""
-    import keras
-    from keras.src.backend import name_scope
-    from keras.src.ops.function import Function
-
-    shapes = getattr(model, "_build_shapes_dict", None)
-    if not shapes or len(shapes) != 1:
-        return None
-    shape = tuple(next(iter(shapes.values())))
-    for dtype in ("float32", "int32"):
-        try:
-            inputs = keras.KerasTensor(shape, dtype=dtype)
-            # As Keras calls it (the same variable paths), creating no real variables.
-            with keras.StatelessScope(), name_scope(model.name, caller=model):
-                outputs = model.call(inputs)
-            return Function(inputs, outputs)
-        except Exception:  # noqa: BLE001 - a call that cannot run symbolically: no graph
-            continue
-    return None
-
-
-def _call_graph(layer, node):
-    """A layer's own graph: its `call` run again on fresh symbolic copies of the node's
-    arguments records a node per inner layer and keras.ops call. None if it cannot run so.
-
-    A call that builds a constant from its input's batch size (keras-hub's causal mask,
-    broadcast to (batch, length, length)) cannot run on an unknown batch: it is run again on
-    a batch of one, which changes no byte count (those are per example)."""
-    import keras
-    from keras.src.ops.function import Function
-
-    for batch in (None, 1):
-
-        def fresh(value, batch=batch):
-            if not isinstance(value, keras.KerasTensor):
-                return value
-            shape = value.shape
-            if batch is not None and shape and shape[0] is None:
-                shape = (batch, *shape[1:])
-            return keras.KerasTensor(shape, dtype=value.dtype)
-
-        args = keras.tree.map_structure(fresh, node.arguments.args)
-        kwargs = keras.tree.map_structure(fresh, node.arguments.kwargs)
-        flat = keras.tree.flatten((args, kwargs))
-        inputs = [t for t in flat if isinstance(t, keras.KerasTensor)]
-        try:
-            with keras.StatelessScope():
-                outputs = layer.call(*args, **kwargs)
-            return _graph(Function(inputs, outputs))
-        except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
-            continue
-    return None
+    return Derivation(rules, mesh_model, examples, value_bytes).run(*graph)
 
 
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.trainable_variables:
         if "model" in rule_axes(variable.path, rules):
-            size = math.prod(variable.shape) * dtype_bytes(str(variable.dtype))
-            found.append(Collective("all-gather", size, n, f"forward: {variable.path}"))
-            found.append(Collective("reduce-scatter", size, n, f"backward: {variable.path}"))
+            found += gathered_weight(variable.path, array_bytes(variable.shape, variable.dtype), n)
     return found
 
 
@@ -158,7 +83,12 @@ def _split_dim(axes: tuple[str | None, ...]):
     return axes.index("model") if "model" in axes else REPLICATED
 
 
-class _Derivation:
+class Derivation:
+    """The walk of a layer graph that counts the collectives, as the module describes. The
+    layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`, and each
+    output's state is recorded by `set_output`: an automatic layout
+    (`training.parallel.auto_layout`) overrides them to choose the layout as it walks."""
+
     def __init__(self, rules: Rules, n: int, examples: int, value_bytes: int):
         self.rules = rules
         self.n = n
@@ -194,28 +124,10 @@ class _Derivation:
         return self.shapes.get(id(tensor), tuple(tensor.shape))
 
     def _resolve_shapes(self, layer, ins, outs) -> None:
-        """Fill an output's unknown lengths from the inputs. Keras leaves some unknown: an
-        EinsumDense built on an unknown sequence length (a keras-hub backbone's attention
-        projections) keeps it unknown in its output on any input. An einsum's output
-        dimension takes its letter's size in the input; another layer's, the size at the
-        same position of an input of the same rank (elementwise ops, rotary embeddings,
-        attention on the projected query)."""
-        import keras
-
         in_shapes = [self._shape(t) for t in ins]
         for y in outs:
-            shape = list(y.shape)
-            if None not in shape[1:]:
-                continue
-            if isinstance(layer, keras.layers.EinsumDense) and ins:
-                equation = _expand_ellipsis(layer.equation, len(in_shapes[0]), len(shape))
-                x_subs, y_subs = equation.split(",")[0], equation.split("->")[1]
-                sizes = dict(zip(x_subs, in_shapes[0], strict=False))
-                shape = [n or sizes.get(c) for c, n in zip(y_subs, shape, strict=True)]
-            else:
-                for x_shape in (s for s in in_shapes if len(s) == len(shape)):
-                    shape = [n or m for n, m in zip(shape, x_shape, strict=True)]
-            self.shapes[id(y)] = tuple(shape)
+            if None in y.shape[1:]:
+                self.shapes[id(y)] = layer_graph.filled_shape(layer, in_shapes, tuple(y.shape))
 
     def _add(self, kind: str, size: float, what: str) -> None:
         self.found.append(Collective(kind, size, self.n, what))
@@ -235,7 +147,7 @@ class _Derivation:
         if self._whole_or_split(tensor, reader) is not REPLICATED:
             self._add("all-gather", self._bytes(tensor), f"forward: {reader} input")
 
-    def _set_output(self, layer_path: str, tensor, state) -> None:
+    def set_output(self, layer_path: str, tensor, state) -> None:
         """Record a layer output's state, relaid out by an output rule if one matches."""
         axes = rule_axes(f"{layer_path}/output", self.rules)
         if axes and _split_dim(axes) != state:
@@ -255,15 +167,15 @@ class _Derivation:
 
     # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
 
-    def _kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
+    def kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
         """A contraction's kernel, given the letter its input is split on (None: whole)."""
         return rule_axes(kernel.path, self.rules)
 
-    def _table_axes(self, table):
+    def table_axes(self, table):
         """An embedding table looked up by token ids."""
         return rule_axes(table.path, self.rules)
 
-    def _weight_axes(self, weight):
+    def weight_axes(self, weight):
         """A weight of a layer with no known contraction."""
         return rule_axes(weight.path, self.rules)
 
@@ -293,18 +205,19 @@ class _Derivation:
             self._attention(layer, query, value, key, outs[0])
         elif isinstance(layer, keras.layers.EinsumDense):
             state = self._einsum(layer.equation, ins[0], layer.kernel, outs[0], path)
-            self._set_output(path, outs[0], state)
+            self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Dense) and len(ins) == 1:
             rank = len(ins[0].shape)
             letters = string.ascii_lowercase[:rank]
             equation = f"{letters},{letters[-1]}z->{letters[:-1]}z"
             state = self._einsum(equation, ins[0], layer.kernel, outs[0], path)
-            self._set_output(path, outs[0], state)
+            self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
             self._embedding(layer, ins[0], outs[0], path)
         elif hasattr(layer, "_nodes_by_depth"):  # a functional model used as a layer
-            self._inner(_call_graph(layer, node) or _graph(layer), ins, outs, path)
-        elif getattr(layer, "_layers", None) and (inner := _call_graph(layer, node)) is not None:
+            inner = layer_graph.call_graph(layer, node) or layer_graph.graph(layer)
+            self._inner(inner, ins, outs, path)
+        elif getattr(layer, "_layers", None) and (inner := layer_graph.call_graph(layer, node)):
             self._inner(inner, ins, outs, path)
         elif isinstance(layer, Einsum):
             self._einsum_op(layer.subscripts, ins, outs[0], path)
@@ -317,13 +230,13 @@ class _Derivation:
         elif isinstance(layer, Repeat) and layer.axis is not None:
             # Each element repeated in place along an axis (grouped-query attention's key and
             # value heads, once per query head of their group): each device repeats its own.
-            self._set_output(path, outs[0], self._whole_or_split(ins[0], path))
+            self.set_output(path, outs[0], self._whole_or_split(ins[0], path))
         else:
             self._generic(layer, ins, outs, path)
 
-    def _inner(self, graph, ins, outs, path: str) -> None:
+    def _inner(self, inner: layer_graph.Graph, ins, outs, path: str) -> None:
         """Follow a layer's own graph: its inputs' states in, its outputs' states out."""
-        inner_inputs, inner_outputs, inner_nodes = graph
+        inner_inputs, inner_outputs, inner_nodes = inner
         for outer, inner in zip(ins, inner_inputs, strict=False):
             self.state[id(inner)] = self._get(outer)
             self.shapes[id(inner)] = self._shape(outer)
@@ -332,7 +245,7 @@ class _Derivation:
         for inner_node in inner_nodes:
             self._node(inner_node)
         for outer, inner in zip(outs, inner_outputs, strict=False):
-            self._set_output(path, outer, self._get(inner))
+            self.set_output(path, outer, self._get(inner))
 
     def _einsum_op(self, subscripts: str, ins, y, path: str) -> None:
         """An einsum of activations (no weight): operands split on one letter the output keeps
@@ -353,7 +266,7 @@ class _Derivation:
                 # a whole operand is sliced locally; its gradient comes back split or partial
                 kind = "all-gather" if letter in subs else "all-reduce"
                 self._add(kind, self._bytes(t), f"backward: {path} input gradient")
-        self._set_output(path, y, output.index(letter))
+        self.set_output(path, y, output.index(letter))
 
     def _unstack(self, axis: int, x, outs, path: str) -> None:
         axis %= len(x.shape)
@@ -364,16 +277,16 @@ class _Derivation:
         if state is not REPLICATED and state > axis:
             state -= 1
         for t in outs:
-            self._set_output(path, t, state)
+            self.set_output(path, t, state)
 
     def _einsum(self, equation: str, x, kernel, y, path: str):
         """A contraction of `x` with `kernel` into `y`; returns y's state."""
-        equation = _expand_ellipsis(equation, len(x.shape), len(y.shape))
+        equation = layer_graph.expand_ellipsis(equation, len(x.shape), len(y.shape))
         x_subs, rest = equation.split(",")
         k_subs, y_subs = rest.split("->")
         state = self._whole_or_split(x, path)
         x_letter = x_subs[state] if state is not REPLICATED else None
-        split = _split_dim(self._kernel_axes(kernel, k_subs, x_letter, y_subs))
+        split = _split_dim(self.kernel_axes(kernel, k_subs, x_letter, y_subs))
         letter = k_subs[split] if split is not REPLICATED else None
         if letter is None:
             if x_letter is None:
@@ -406,10 +319,10 @@ class _Derivation:
 
     def _embedding(self, layer, x, y, path: str) -> None:
         if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
-            split = _split_dim(self._table_axes(layer.embeddings))
+            split = _split_dim(self.table_axes(layer.embeddings))
             state = {REPLICATED: REPLICATED, 0: PARTIAL, 1: len(y.shape) - 1}[split]
             self._whole(x, path)
-            self._set_output(path, y, state)
+            self.set_output(path, y, state)
             return
         # Hidden states times the transposed table (a tied output head), or times keras-hub's
         # untied (hidden, vocabulary) `reverse_embeddings`.
@@ -420,7 +333,7 @@ class _Derivation:
         else:
             kernel_subs = f"{letters[-1]}z"
         equation = f"{letters},{kernel_subs}->{letters[:-1]}z"
-        self._set_output(path, y, self._einsum(equation, x, table, y, path))
+        self.set_output(path, y, self._einsum(equation, x, table, y, path))
 
     def _attention(self, layer, query, value, key, y) -> None:
         import keras
@@ -433,7 +346,7 @@ class _Derivation:
         ):
             out = keras.KerasTensor(dense.compute_output_shape(x.shape), dtype=x.dtype)
             state = self._einsum(dense.equation, x, dense.kernel, out, dense.path)
-            self._set_output(dense.path, out, state)
+            self.set_output(dense.path, out, state)
             projected.append(out)
         q, k, v = projected
         heads = _heads_dim(layer)
@@ -447,15 +360,15 @@ class _Derivation:
             self.state[id(context)] = REPLICATED
         dense = layer._output_dense
         state = self._einsum(dense.equation, context, dense.kernel, y, dense.path)
-        self._set_output(dense.path, y, state)
-        self._set_output(layer.path, y, self._get(y))
+        self.set_output(dense.path, y, state)
+        self.set_output(layer.path, y, self._get(y))
 
     def _generic(self, layer, ins, outs, path: str) -> None:
         """A layer or op with no known contraction: elementwise, a norm, a reshape, or a layer
         of the user's own whose weights, if split, are treated as elementwise operands when
         their shape broadcasts to the output's, else gathered."""
         weights = [w for w in getattr(layer, "trainable_weights", None) or [] if w is not None]
-        split_weights = [w for w in weights if "model" in self._weight_axes(w)]
+        split_weights = [w for w in weights if "model" in self.weight_axes(w)]
         shapes = {tuple(t.shape) for t in outs}
         elementwise = len(shapes) == 1 and all(
             _broadcasts(t.shape, next(iter(shapes))) for t in ins
@@ -467,17 +380,15 @@ class _Derivation:
                 operands.append(state - len(t.shape))
         for w in split_weights:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
-                operands.append(_split_dim(self._weight_axes(w)) - len(w.shape))
+                operands.append(_split_dim(self.weight_axes(w)) - len(w.shape))
             else:
-                size = math.prod(w.shape) * dtype_bytes(str(w.dtype))
-                self._add("all-gather", size, f"forward: {w.path}")
-                self._add("reduce-scatter", size, f"backward: {w.path} gradient")
+                self.found += gathered_weight(w.path, array_bytes(w.shape, w.dtype), self.n)
         reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
         if not elementwise or any(d in reduced for d in operands):
             for t in ins:
                 self._whole(t, path)
             for t in outs:
-                self._set_output(path, t, REPLICATED)
+                self.set_output(path, t, REPLICATED)
             return
         out_state = REPLICATED
         if operands:
@@ -496,7 +407,7 @@ class _Derivation:
             else:
                 out_state = len(next(iter(shapes))) + dims.pop()
         for t in outs:
-            self._set_output(path, t, out_state)
+            self.set_output(path, t, out_state)
 
 
 def _producer(tensor) -> str:
@@ -543,15 +454,3 @@ def _heads_dim(layer) -> int:
     """The heads dimension of MultiHeadAttention's projected query [B, T, N, H]."""
     output = layer._query_dense.equation.split("->")[1]
     return len(output) - 2
-
-
-def _expand_ellipsis(equation: str, x_rank: int, y_rank: int) -> str:
-    if "..." not in equation:
-        return equation
-    x_subs, rest = equation.split(",")
-    k_subs, y_subs = rest.split("->")
-    used = set(equation) - {".", ",", "-", ">"}
-    free = [c for c in string.ascii_lowercase if c not in used]
-    count = x_rank - len(x_subs.replace("...", ""))
-    fill = "".join(free[:count])
-    return f"{x_subs.replace('...', fill)},{k_subs}->{y_subs.replace('...', fill)}"

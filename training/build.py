@@ -1,0 +1,57 @@
+"""What a run builds from its config: the dtype policy, the model on a device grid.
+
+Both the hosts' trainer and the analysis that checks the plan against a compiled step build
+from here, so that what is analysed is what trains.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from training import models
+from training.config import RunConfig
+from training.data import build_dataset
+from training.optimizers import build_optimizer
+from training.parallel.mesh import build_distribution
+
+# Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
+DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+
+
+def build_on_grid(cfg: RunConfig, grid: np.ndarray):
+    """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
+    import keras
+
+    # Same seed on every host, or the replicated initial weights differ between processes.
+    keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    rules = {}
+    if cfg.strategy.name != "data_parallel":
+        rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
+    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
+    dataset = build_dataset(cfg.data)
+    model = models.build_model(cfg.model, dataset.spec)
+    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+    model.compile(optimizer=optimizer, loss=models.build_loss(cfg.model))
+    # Built now rather than at the first step, so that a checkpoint can be restored into it.
+    optimizer.build(model.trainable_variables)
+    return model, dataset
+
+
+def describe_variables(variables) -> dict[str, dict]:
+    """Sharding of every variable, read from the live arrays rather than from the config."""
+    from jax.sharding import PartitionSpec
+
+    described = {}
+    for variable in variables:
+        array = variable.value
+        shard = array.addressable_shards[0].data
+        described[variable.path] = {
+            # A one-device run's arrays have a SingleDeviceSharding, which has no spec.
+            "spec": str(getattr(array.sharding, "spec", PartitionSpec())),
+            "shape": list(array.shape),
+            "bytes": int(array.nbytes),
+            "shard_shape": list(shard.shape),
+            "shard_bytes": int(shard.nbytes),
+        }
+    return described
