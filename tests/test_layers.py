@@ -1,0 +1,89 @@
+"""Imports point down the layers: the driver above the host runtime, both above the
+analysis (`training.parallel`), which is above models and data; the records every layer
+shares (config, contracts, events) import none of them."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "training"
+
+# A module (or package) → the modules it must never import, at any depth in its code.
+FORBIDDEN = {
+    "training.host": ("training.driver", "training.run", "training.plan", "training.report"),
+    "training.parallel": ("training.host", "training.driver", "training.run", "training.report"),
+    "training.build": ("training.host", "training.driver", "training.plan"),
+    "training.checkpoint": ("training.host", "training.driver", "training.parallel"),
+    "training.models": ("training.parallel", "training.host", "training.driver"),
+    "training.data": ("training.models", "training.parallel", "training.host", "training.driver"),
+    "training.events": ("training.host", "training.driver"),
+    "training.contracts": ("training.models", "training.data", "training.host", "training.driver"),
+}
+# The one host module the driver may import: the actor class it places on each host.
+DRIVER_MAY_IMPORT_FROM_HOST = ("training.host.actor",)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Every training module `path` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name.split(".")[0] == "training"}
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def wrong_way(module: str, imports: set[str]) -> list[str]:
+    wrong = [
+        name
+        for layer, forbidden in FORBIDDEN.items()
+        if within(module, layer)
+        for name in imports
+        if any(within(name, f) for f in forbidden)
+    ]
+    if within(module, "training.driver"):
+        wrong += [
+            name
+            for name in imports
+            if within(name, "training.host")
+            and not any(within(name, allowed) for allowed in DRIVER_MAY_IMPORT_FROM_HOST)
+        ]
+    return sorted(set(wrong))
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_imports_point_down(path):
+    module = module_name(path)
+    assert wrong_way(module, imported(path)) == []
+
+
+def test_every_layer_named_exists():
+    """A layer renamed away would leave its rule checking nothing."""
+    modules = {module_name(p) for p in MODULES}
+    for layer in FORBIDDEN:
+        assert any(within(m, layer) for m in modules), layer
+
+
+def test_a_wrong_way_import_is_caught():
+    assert wrong_way("training.models.mlp", {"training.parallel.collectives"}) == [
+        "training.parallel.collectives"
+    ]
+    assert wrong_way("training.driver.display", {"training.host.phases"}) == [
+        "training.host.phases"
+    ]
+    assert wrong_way("training.driver.supervisor", {"training.host.actor"}) == []
