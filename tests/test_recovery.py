@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.checkpoint.test_checkpoint import HYBRID, values
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
-from tests.test_checkpoint import HYBRID, values
 from training.build import build_on_grid
 from training.driver.logs import RUN_LOG
 from training.driver.restarts import HostFailure

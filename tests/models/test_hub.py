@@ -170,7 +170,7 @@ LLAMA_PLAN = ("model=hub", "data=text", "model.seq_len=32")
 
 
 def llama_plan_and_step(layout: str):
-    from tests.test_plan import plan_and_step
+    from tests.parallel.test_plan import plan_and_step
     from training.parallel.mesh import MeshShape
 
     return plan_and_step("hybrid", MeshShape(2, 4), (*LLAMA_PLAN, f"strategy.layout={layout}"))

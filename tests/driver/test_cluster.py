@@ -22,7 +22,7 @@ from training.driver.cluster import Node, host_bundle, sized_from_nodes
 from training.host.actor import host_environment
 from training.run import run_training
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
 HOST_RESOURCE = "training_host"
 ON_THE_TEST_CLUSTER = ["cluster.platform=cpu", f"cluster.host_resource={HOST_RESOURCE}"]

@@ -116,8 +116,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     writer = textwrap.dedent(
         f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-        from tests.test_checkpoint import trained_checkpoint
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from tests.checkpoint.test_checkpoint import trained_checkpoint
         import tensorstore
         trained_checkpoint({str(tmp_path)!r}, steps=2)
         # Die inside step 4's save, after orbax has started writing it.
@@ -135,7 +135,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert any("tmp" in name for name in leftovers), leftovers  # the half-written step 4
 
     cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={tmp_path}"])
-    plan = preflight(cfg)
-    assert inspect_checkpoints(cfg, list(plan.variables), plan.data_spec.fingerprint) == 2
+    checked = preflight(cfg)
+    assert inspect_checkpoints(cfg, list(checked.variables), checked.data_spec.fingerprint) == 2
     model, _ = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     assert HostCheckpoints(cfg, model).restore_newest() == 2

@@ -15,9 +15,9 @@ VARIABLES = [
 
 
 def test_a_valid_hybrid_run_passes_and_lists_the_model_variables():
-    plan = preflight(run_config(["strategy=hybrid", "mesh.data=2", "mesh.model=4"]))
-    assert plan.mesh == MeshShape(2, 4)
-    assert "block_0_up/kernel" in {v.path for v in plan.variables}
+    checked = preflight(run_config(["strategy=hybrid", "mesh.data=2", "mesh.model=4"]))
+    assert checked.mesh == MeshShape(2, 4)
+    assert "block_0_up/kernel" in {v.path for v in checked.variables}
 
 
 def test_rule_matching_nothing_names_the_rule_and_lists_the_paths():

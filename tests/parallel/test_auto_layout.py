@@ -16,8 +16,9 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import run_config
-from tests.test_own_model import EXAMPLES
-from tests.test_tensor_parallel import (
+from tests.models.test_own_model import EXAMPLES
+from tests.models.test_transformer import TINY as TINY_TEXT
+from tests.parallel.test_tensor_parallel import (
     BENCH,
     MLP_RULES,
     TRANSFORMER_RULES,
@@ -28,7 +29,6 @@ from tests.test_tensor_parallel import (
     subclassed_mlp,
     transformer,
 )
-from tests.test_transformer import TINY as TINY_TEXT
 from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.data import build_dataset

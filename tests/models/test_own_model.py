@@ -13,7 +13,7 @@ from tests.conftest import run_config
 from training.config import ConfigError
 from training.driver.preflight import preflight
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 _names = itertools.count()
 
 # Rules that split the example model's two layers Megatron style.
@@ -66,10 +66,11 @@ def own_model(module: str, function: str = "get_model", *extra: str) -> list[str
 
 def test_the_example_model_is_found_in_the_working_directory_and_checked(workdir):
     module = example_module(workdir)
-    plan = preflight(run_config(own_model(module, "get_model", "strategy=hybrid", EXAMPLE_RULES)))
-    paths = {v.path: v.shape for v in plan.variables}
+    cfg = run_config(own_model(module, "get_model", "strategy=hybrid", EXAMPLE_RULES))
+    checked = preflight(cfg)
+    paths = {v.path: v.shape for v in checked.variables}
     assert paths["d1/kernel"] == (16, 256) and paths["d2/kernel"] == (256, 1)
-    assert plan.mesh.as_tuple() == (2, 4)
+    assert checked.mesh.as_tuple() == (2, 4)
 
 
 def test_a_plain_keras_layout_function_gives_the_rules(workdir):
@@ -251,7 +252,7 @@ def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray
     summary, rows = own_run(workdir, module, data)
     overrides = own_model(module, "get_model", *RUN, data)
     reference = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "single_device_reference.py")]
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "single_device_reference.py")]
         + [json.dumps(overrides)],
         capture_output=True,
         text=True,

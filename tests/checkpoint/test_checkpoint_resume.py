@@ -16,8 +16,8 @@ from hydra_plugins.training_launcher.host_group_launcher import (
     fixed_override_keys,
     trial_checkpoint_id,
 )
+from tests.checkpoint.test_checkpoint import HYBRID, snapshot, trained_checkpoint
 from tests.conftest import FAST, run_config
-from tests.test_checkpoint import HYBRID, snapshot, trained_checkpoint
 from training.build import build_on_grid
 from training.checkpoint.storage import CheckpointError, checkpoint_path, open_manager
 from training.checkpoint.views import check_host_views, host_view
@@ -47,7 +47,7 @@ def pair(order: str = "ab", features: int = 32, classes: int = 8):
 
 PAIR = [
     "model=keras",
-    "model.build=tests.test_checkpoint_resume:pair",
+    "model.build=tests.checkpoint.test_checkpoint_resume:pair",
     "model.loss=sparse_categorical_crossentropy",
 ]
 

@@ -9,7 +9,7 @@ import keras
 import pytest
 
 from tests.conftest import run_config
-from tests.test_transformer import TINY
+from tests.models.test_transformer import TINY
 from training.config import ConfigError
 from training.data import build_dataset
 from training.models import mlp as mlp_module

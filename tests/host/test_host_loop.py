@@ -20,7 +20,7 @@ from training.host import trainer
 from training.host.phases import Phase
 from training.parallel.mesh import MeshShape, device_grid
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
 # Intervals of 3 steps and a last one of 1: logged losses are each interval's mean.
 LOOP = ["trainer.steps=7", "trainer.log_interval=3", "trainer.global_batch=32"]
