@@ -19,6 +19,9 @@ FORBIDDEN = {
     "training.data": ("training.models", "training.parallel", "training.host", "training.driver"),
     "training.events": ("training.host", "training.driver"),
     "training.contracts": ("training.models", "training.data", "training.host", "training.driver"),
+    "training.config": ("training.models", "training.data", "training.host", "training.driver"),
+    # This machine's GPUs, read by the config as it settles a local cluster.
+    "training.gpus": ("training.config", "training.host", "training.driver"),
 }
 # The one host module the driver may import: the actor class it places on each host.
 DRIVER_MAY_IMPORT_FROM_HOST = ("training.host.actor",)

@@ -1,11 +1,12 @@
-"""The GPUs of this machine, for `cluster=local`: which there are, which take part, which
-host holds which, and the environment JAX needs on them.
+"""The GPUs of this machine, for `cluster=local`: which there are, the Ray resources that
+name them, and the environment JAX needs on them. Which take part and which host holds which
+is settled with the config (`training.config.cluster`: `resolve_local`, `host_gpus`).
 
 The driver runs JAX on CPU and must not touch the GPUs, so it finds them with `nvidia-smi`
 (absent or failing: no GPU), not through jax. GPUs are named by nvidia-smi's index, and the
 hosts are started with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers them the same way.
 
-Who assigns GPUs: this module, not Ray. Host h of n, each holding k GPUs, gets the h-th k
+Who assigns GPUs: this package, not Ray. Host h of n, each holding k GPUs, gets the h-th k
 of the GPUs taking part, in their order, as its CUDA_VISIBLE_DEVICES (set through the actor's
 runtime_env, and Ray leaves it alone for an actor that asks for no `GPU` resource). Ray
 keeps the books: the local Ray instance offers one custom resource per GPU
@@ -21,14 +22,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
-
-from training.config import AUTO, ConfigError, LocalClusterConfig
 
 NVIDIA_SMI_QUERY = "index,uuid,name,memory.total"
 RESOURCE_PREFIX = "local_gpu_"  # a local Ray instance's resource for one GPU
-CPU_HOSTS, CPU_DEVICES_PER_HOST = 2, 4  # the CPU simulation's default shape
 
 
 @dataclass(frozen=True)
@@ -98,77 +96,6 @@ def describe_gpus(gpus: list[Gpu]) -> str:
     if not gpus:
         return "no NVIDIA GPU (nvidia-smi lists none)"
     return ", ".join(g.describe() for g in gpus)
-
-
-def resolve_local(cluster: LocalClusterConfig, found: list[Gpu]) -> LocalClusterConfig:
-    """`cluster` with its platform, hosts, devices per host and GPUs settled for this machine,
-    whose GPUs are `found`. Idempotent: a settled config comes back unchanged."""
-    platform = cluster.platform
-    if platform == "auto":
-        platform = "gpu" if found or cluster.gpus is not None else "cpu"
-    if platform == "cpu":
-        return replace(
-            cluster,
-            platform="cpu",
-            hosts=CPU_HOSTS if cluster.hosts == AUTO else cluster.hosts,
-            devices_per_host=(
-                CPU_DEVICES_PER_HOST
-                if cluster.devices_per_host == AUTO
-                else cluster.devices_per_host
-            ),
-        )
-    if not found:
-        raise ConfigError(
-            "cluster.platform=gpu, but this machine has no NVIDIA GPU that nvidia-smi lists "
-            "(or CUDA_VISIBLE_DEVICES hides them all); cluster.platform=cpu simulates CPU hosts"
-        )
-    indices = [g.index for g in found]
-    chosen = list(cluster.gpus) if cluster.gpus is not None else indices
-    missing = [i for i in chosen if i not in indices]
-    if missing:
-        raise ConfigError(
-            f"cluster.gpus={chosen} names GPU {', '.join(map(str, missing))}, which this "
-            f"machine does not have; it has {describe_gpus(found)}"
-        )
-    hosts, per_host = _shape(cluster.hosts, cluster.devices_per_host, chosen)
-    return replace(cluster, platform="gpu", gpus=chosen, hosts=hosts, devices_per_host=per_host)
-
-
-def _shape(hosts: int, per_host: int, gpus: list[int]) -> tuple[int, int]:
-    """Hosts × GPUs each = the GPUs taking part; what is -1 is derived (one host by default)."""
-    n = len(gpus)
-    taking_part = f"the {n} GPU(s) taking part ({gpus})"
-    if hosts == AUTO and per_host == AUTO:
-        return 1, n
-    if per_host == AUTO:
-        if n % hosts:
-            raise ConfigError(
-                f"cluster.hosts={hosts} does not divide {taking_part}: each host holds the same "
-                "number of GPUs; choose cluster.hosts or cluster.gpus to match"
-            )
-        return hosts, n // hosts
-    if hosts == AUTO:
-        if n % per_host:
-            raise ConfigError(
-                f"cluster.devices_per_host={per_host} does not divide {taking_part}; choose "
-                "cluster.devices_per_host or cluster.gpus to match"
-            )
-        return n // per_host, per_host
-    if hosts * per_host != n:
-        raise ConfigError(
-            f"cluster.hosts={hosts} × cluster.devices_per_host={per_host} GPUs is not "
-            f"{taking_part}; give one of them (-1) to derive it"
-        )
-    return hosts, per_host
-
-
-def host_gpus(cluster: LocalClusterConfig) -> list[list[int]]:
-    """The GPUs each host holds (host h: the h-th `devices_per_host` of cluster.gpus); empty
-    lists for simulated CPU hosts."""
-    if cluster.platform != "gpu":
-        return [[] for _ in range(cluster.hosts)]
-    k = cluster.devices_per_host
-    return [list(cluster.gpus[h * k : (h + 1) * k]) for h in range(cluster.hosts)]
 
 
 def gpu_resource(index: int) -> str:

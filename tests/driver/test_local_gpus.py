@@ -5,9 +5,9 @@ import pytest
 
 from tests.conftest import run_config
 from training import gpus as gpus_module
-from training.config import ConfigError, LocalClusterConfig
+from training.config import ConfigError, LocalClusterConfig, host_gpus, resolve_local
 from training.driver.cluster import host_bundles
-from training.gpus import Gpu, host_gpus, parse_nvidia_smi, resolve_local, visible
+from training.gpus import Gpu, parse_nvidia_smi, visible
 from training.host.actor import host_environment
 
 SMI = "\n".join(

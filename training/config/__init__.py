@@ -17,7 +17,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
 from training.config.checkpoint import CheckpointConfig, url_scheme
-from training.config.cluster import ClusterConfig, LocalClusterConfig, RayClusterConfig
+from training.config.cluster import (
+    CPU_HOSTS,
+    ClusterConfig,
+    LocalClusterConfig,
+    RayClusterConfig,
+    host_gpus,
+    resolve_local,
+)
 from training.config.common import AUTO, ConfigError, require
 from training.config.data import (
     ArrayDataConfig,
@@ -33,10 +40,12 @@ from training.config.plan import PlanConfig
 from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyConfig
 from training.config.sweep import SweepConfig
 from training.config.trainer import TrainerConfig
+from training.gpus import discover_gpus
 
 __all__ = [
     "AUTO",
     "AUTO_LAYOUT",
+    "CPU_HOSTS",
     "LAYOUTS",
     "AdamConfig",
     "ArrayDataConfig",
@@ -61,7 +70,9 @@ __all__ = [
     "TokenDataConfig",
     "TrainerConfig",
     "compose_run_config",
+    "host_gpus",
     "register_configs",
+    "resolve_local",
     "to_run_config",
     "url_scheme",
 ]
@@ -141,8 +152,6 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
     """A local cluster's platform, hosts and devices settled for this machine's GPUs."""
     if not isinstance(run.cluster, LocalClusterConfig):
         return run
-    from training.gpus import discover_gpus, resolve_local
-
     cluster = run.cluster
     found = discover_gpus() if cluster.platform != "cpu" else []
     return replace(run, cluster=resolve_local(cluster, found))

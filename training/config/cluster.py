@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, List, Optional
 
-from training.config.common import AUTO, require, require_size_or_auto
+from training.config.common import AUTO, ConfigError, require, require_size_or_auto
+from training.gpus import Gpu, describe_gpus
 
 LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
+CPU_HOSTS, CPU_DEVICES_PER_HOST = 2, 4  # the CPU simulation's default shape
 
 
 @dataclass
 class LocalClusterConfig:
     """A Ray instance started for this run on this machine: its GPUs, or simulated CPU hosts.
 
-    Settled for the machine by `training.gpus.resolve_local` when the config is converted
+    Settled for the machine by `resolve_local` when the config is converted
     (`to_run_config`): `platform` auto becomes gpu where nvidia-smi lists GPUs, else cpu;
     hosts and devices_per_host of -1 become 1 host holding every GPU taking part, or on CPU
     2 hosts × 4 simulated devices."""
@@ -91,3 +93,74 @@ class RayClusterConfig:
 
 
 ClusterConfig = LocalClusterConfig | RayClusterConfig
+
+
+def resolve_local(cluster: LocalClusterConfig, found: list[Gpu]) -> LocalClusterConfig:
+    """`cluster` with its platform, hosts, devices per host and GPUs settled for this machine,
+    whose GPUs are `found`. Idempotent: a settled config comes back unchanged."""
+    platform = cluster.platform
+    if platform == "auto":
+        platform = "gpu" if found or cluster.gpus is not None else "cpu"
+    if platform == "cpu":
+        return replace(
+            cluster,
+            platform="cpu",
+            hosts=CPU_HOSTS if cluster.hosts == AUTO else cluster.hosts,
+            devices_per_host=(
+                CPU_DEVICES_PER_HOST
+                if cluster.devices_per_host == AUTO
+                else cluster.devices_per_host
+            ),
+        )
+    if not found:
+        raise ConfigError(
+            "cluster.platform=gpu, but this machine has no NVIDIA GPU that nvidia-smi lists "
+            "(or CUDA_VISIBLE_DEVICES hides them all); cluster.platform=cpu simulates CPU hosts"
+        )
+    indices = [g.index for g in found]
+    chosen = list(cluster.gpus) if cluster.gpus is not None else indices
+    missing = [i for i in chosen if i not in indices]
+    if missing:
+        raise ConfigError(
+            f"cluster.gpus={chosen} names GPU {', '.join(map(str, missing))}, which this "
+            f"machine does not have; it has {describe_gpus(found)}"
+        )
+    hosts, per_host = _shape(cluster.hosts, cluster.devices_per_host, chosen)
+    return replace(cluster, platform="gpu", gpus=chosen, hosts=hosts, devices_per_host=per_host)
+
+
+def _shape(hosts: int, per_host: int, gpus: list[int]) -> tuple[int, int]:
+    """Hosts × GPUs each = the GPUs taking part; what is -1 is derived (one host by default)."""
+    n = len(gpus)
+    taking_part = f"the {n} GPU(s) taking part ({gpus})"
+    if hosts == AUTO and per_host == AUTO:
+        return 1, n
+    if per_host == AUTO:
+        if n % hosts:
+            raise ConfigError(
+                f"cluster.hosts={hosts} does not divide {taking_part}: each host holds the same "
+                "number of GPUs; choose cluster.hosts or cluster.gpus to match"
+            )
+        return hosts, n // hosts
+    if hosts == AUTO:
+        if n % per_host:
+            raise ConfigError(
+                f"cluster.devices_per_host={per_host} does not divide {taking_part}; choose "
+                "cluster.devices_per_host or cluster.gpus to match"
+            )
+        return n // per_host, per_host
+    if hosts * per_host != n:
+        raise ConfigError(
+            f"cluster.hosts={hosts} × cluster.devices_per_host={per_host} GPUs is not "
+            f"{taking_part}; give one of them (-1) to derive it"
+        )
+    return hosts, per_host
+
+
+def host_gpus(cluster: LocalClusterConfig) -> list[list[int]]:
+    """The GPUs each host holds (host h: the h-th `devices_per_host` of cluster.gpus); empty
+    lists for simulated CPU hosts."""
+    if cluster.platform != "gpu":
+        return [[] for _ in range(cluster.hosts)]
+    k = cluster.devices_per_host
+    return [list(cluster.gpus[h * k : (h + 1) * k]) for h in range(cluster.hosts)]

@@ -15,7 +15,16 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from training.config import AUTO, ClusterConfig, ConfigError, RayClusterConfig, RunConfig
+from training.config import (
+    AUTO,
+    CPU_HOSTS,
+    ClusterConfig,
+    ConfigError,
+    RayClusterConfig,
+    RunConfig,
+    host_gpus,
+)
+from training.gpus import discover_gpus, gpu_resource, gpu_resources
 
 HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
 REACH_TIMEOUT_S = 5.0
@@ -26,8 +35,6 @@ def connect_ray(cluster: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     if cluster.name == "local":
-        from training.gpus import discover_gpus, gpu_resources
-
         # Every GPU the driver sees, whatever this run's cluster.gpus: a sweep's trials share
         # the instance. Hosts ask for their GPUs by name (training/gpus.py); `GPU` is the
         # count Ray would detect itself, which no host asks for.
@@ -166,8 +173,6 @@ def local_cpus(hosts: int) -> int:
     (`fault.max_restarts`). A simulated host's CPU is a token for placement, not a core.
     `hosts` may still be -1 (a sweep's instance starts before its trials settle theirs):
     room for the CPU simulation's default then."""
-    from training.gpus import CPU_HOSTS
-
     hosts = hosts if hosts != AUTO else CPU_HOSTS
     return max(os.cpu_count() or 1, hosts) + hosts
 
@@ -175,8 +180,6 @@ def local_cpus(hosts: int) -> int:
 def host_bundles(cluster: ClusterConfig) -> list[dict[str, float]]:
     """The resources each host's actor holds, host by host."""
     if cluster.name == "local":
-        from training.gpus import gpu_resource, host_gpus
-
         # A CPU, and on GPU the host's own GPUs by name; simulated devices need nothing.
         return [{"CPU": 1.0, **{gpu_resource(g): 1.0 for g in gpus}} for gpus in host_gpus(cluster)]
     return [host_bundle(cluster, cluster.devices_per_host)] * cluster.hosts

@@ -21,14 +21,14 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from training.config import ClusterConfig, ConfigError
+from training.config import ClusterConfig, ConfigError, host_gpus
 from training.driver.cluster import (
     alive_nodes,
     describe_nodes,
     host_bundles,
     placement_strategy,
 )
-from training.gpus import RESOURCE_PREFIX, host_gpus
+from training.gpus import RESOURCE_PREFIX
 from training.host.actor import HostActor, host_environment
 
 PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
