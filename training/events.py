@@ -16,11 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BEAT_SECONDS = 1.0
+STARTING, JOINING, BUILDING, RESTORING, COMPILING = (
+    "starting",
+    "joining",
+    "building",
+    "restoring",
+    "compiling",
+)
 # Until the first step's result: bounded together by fault.startup_timeout_s.
-STARTUP_PHASES = ("starting", "joining", "building", "restoring", "compiling")
-TRAINING = "training"
-# Inside training, each bounded by fault.step_timeout_s.
-PAUSES = ("evaluating", "saving")
+STARTUP_PHASES = (STARTING, JOINING, BUILDING, RESTORING, COMPILING)
+# Training and its pauses, each bounded by fault.step_timeout_s.
+TRAINING, EVALUATING, SAVING = "training", "evaluating", "saving"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from training.config import FaultConfig
 from training.driver.restarts import HostFailure
 from training.events import (
     BEAT_SECONDS,
+    STARTING,
     STARTUP_PHASES,
     TRAINING,
     Beat,
@@ -36,7 +37,7 @@ class HostProgress:
     seen: float
     phase_since: float
     step_since: float
-    phase: str = "starting"  # until its first beat
+    phase: str = STARTING  # until its first beat
     step: int = 0
     beating: bool = False
     done: bool = False

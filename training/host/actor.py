@@ -15,7 +15,7 @@ import time
 import ray
 
 from training.config import RunConfig
-from training.events import Event, FromHost, Joined
+from training.events import JOINING, Event, FromHost, Joined
 from training.host.phases import Beats, Phase
 from training.host.warnings import forward_warnings
 from training.parallel.mesh import MeshShape
@@ -119,7 +119,7 @@ class HostActor:
             inbox.put(FromHost(self.host_index, event))
 
         # The beats go on while the host joins, builds, compiles or saves, however long.
-        phase = Phase("joining")
+        phase = Phase(JOINING)
         with forward_warnings(send), Beats(phase, send):
             started = time.perf_counter()
             self._join_jax_cluster(coordinator, init_timeout_s)

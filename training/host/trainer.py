@@ -15,7 +15,18 @@ import numpy as np
 from training.build import build_on_grid, describe_variables
 from training.config import RunConfig, TrainerConfig
 from training.contracts import Dataset
-from training.events import TRAINING, Compiled, Ready, Send, StepLogged
+from training.events import (
+    BUILDING,
+    COMPILING,
+    EVALUATING,
+    RESTORING,
+    SAVING,
+    TRAINING,
+    Compiled,
+    Ready,
+    Send,
+    StepLogged,
+)
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.loop import COUNTS, CompiledStep, Prefetcher
@@ -50,13 +61,13 @@ def train(
 
     phase = phase or Phase()
     started = time.perf_counter()
-    phase.set("building")
+    phase.set(BUILDING)
     use_cache(cfg.trainer.compile_cache_dir)
     grid = device_grid(jax.devices(), mesh)
     model, dataset = build_on_grid(cfg, grid)
     checkpoints, start = None, 0
     if cfg.checkpoint.enabled:
-        phase.set("restoring")
+        phase.set(RESTORING)
         checkpoints = HostCheckpoints(cfg, model, dataset.spec.fingerprint)
         start = checkpoints.restore_newest()
 
@@ -215,7 +226,7 @@ def _train_loop(
     with how long the step took to compile and whether the compile cache served it."""
     if start >= trainer.steps:
         return None, start
-    guard.phase.set("compiling")
+    guard.phase.set(COMPILING)
     runner = CompiledStep(model, trainer.accumulate, start)
     batches = feed.prefetch(start)
     try:
@@ -285,12 +296,12 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
                 rows_fed=feed.rows_fed(step),
             )
             if evaluate:
-                with phase.during("evaluating"):
+                with phase.during(EVALUATING):
                     event = replace(event, eval_loss=feed.held_out_loss(model))
                 runner.from_keras()  # Keras' test step replaced the variables' arrays
             report(event)
         if save:
-            with phase.during("saving"):
+            with phase.during(SAVING):
                 guard.checkpoints.save(done)
         if logged:
             # Evaluation and saving stay out of the next interval's step times.
