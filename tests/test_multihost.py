@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from training.config import ConfigError
-from training.driver.restarts import HostFailure
+from training.driver.failures import HostFailure
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.run import run_training
 

@@ -20,8 +20,8 @@ import pytest
 from tests.checkpoint.test_checkpoint import HYBRID, values
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
 from training.build import build_on_grid
+from training.driver.failures import HostFailure
 from training.driver.logs import RUN_LOG
-from training.driver.restarts import HostFailure
 from training.host.checkpoints import HostCheckpoints
 from training.parallel.mesh import MeshShape, device_grid
 from training.run import run_training

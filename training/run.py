@@ -30,9 +30,9 @@ from rich.console import Console  # noqa: E402
 from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
+from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup  # noqa: E402
 from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
-from training.driver.restarts import HostFailure  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from training.config import ConfigError, FaultConfig
-from training.driver.restarts import HostFailure
+from training.driver.failures import HostFailure
 from training.driver.watchdog import Watchdog
 from training.events import Beat, Compiled
 from training.host.phases import Beats, Phase

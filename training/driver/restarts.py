@@ -7,26 +7,7 @@ from __future__ import annotations
 import time
 
 from training.config import FaultConfig
-
-
-class HostFailure(RuntimeError):
-    """A host died, raised, or stopped making progress; the run was stopped.
-
-    `restartable` failures (a host lost or silent) may be recovered by a fresh host group;
-    a host that raised (a NaN loss, a bad checkpoint) would raise again."""
-
-    def __init__(
-        self,
-        message: str,
-        restartable: bool = False,
-        silent_s: float = 0.0,
-        noticed: float | None = None,
-    ):
-        super().__init__(message)
-        self.restartable = restartable
-        self.silent_s = silent_s  # how long the failed host had said nothing when noticed
-        # When the driver noticed it (time.monotonic), before waiting for the other hosts.
-        self.noticed = time.monotonic() if noticed is None else noticed
+from training.driver.failures import HostFailure
 
 
 class Restarts:

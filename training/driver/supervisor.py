@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError
 from ray.util.queue import Empty, Queue
 
 from training.checkpoint.inspection import newest_step
@@ -24,11 +23,12 @@ from training.config import RunConfig
 from training.driver.cluster import ray_session
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
+from training.driver.failures import HostFailure, gathered_failure, outcome
 from training.driver.logs import RunLog
 from training.driver.metrics import MetricsLog
 from training.driver.placement import HostGroup
 from training.driver.preflight import Checked
-from training.driver.restarts import HostFailure, Restarts
+from training.driver.restarts import Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
 from training.driver.watchdog import Watchdog
@@ -43,19 +43,7 @@ from training.events import (
 )
 
 POLL_SECONDS = 0.25
-FAILURE_GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def _outcome(ref) -> tuple[dict | None, Exception | None]:
-    """(result, None) for a host call that returned, (None, error) for one that failed;
-    (None, None) while it is still running."""
-    try:
-        return ray.get(ref, timeout=0), None
-    except (RayTaskError, RayActorError) as error:
-        return None, error
-    except GetTimeoutError:
-        return None, None
 
 
 class Supervisor:
@@ -201,10 +189,11 @@ class Supervisor:
                 pending = [ref for ref, host in calls.items() if host not in results]
                 finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
                 for ref in finished:
-                    result, error = _outcome(ref)
+                    result, error = outcome(ref)
                     if error is not None:
                         self._drain(inbox, watchdog)  # what the hosts logged before it
-                        self._report_failures(calls, pending, calls[ref], error)
+                        silent_s = watchdog.silent_for(calls[ref])
+                        raise gathered_failure(calls, pending, error, silent_s, self.output_dir)
                     results[calls[ref]] = result
                 self._drain(inbox, watchdog)
                 for host in results:
@@ -213,33 +202,6 @@ class Supervisor:
                 watchdog.check()
             self._drain(inbox, watchdog)
         return [results[h] for h in range(len(calls))]
-
-    def _report_failures(self, calls: dict, pending: list, first: int, error: Exception) -> None:
-        """Raise one HostFailure naming the root cause first.
-
-        When a host dies, its peers fail moments later inside a collective: after a peer's
-        error, wait briefly for the death, so that it, not the peers' connection errors,
-        leads the message. After a death, only gather the deaths of the same moment (a lost
-        node): the peers may take long to notice, and a restart waits for this."""
-        silent_s, noticed = self.watchdog.silent_for(first), time.monotonic()
-        grace = POLL_SECONDS if isinstance(error, RayActorError) else FAILURE_GRACE_SECONDS
-        ray.wait(pending, num_returns=len(pending), timeout=grace)
-        failures = [(calls[ref], error) for ref in pending if (error := _outcome(ref)[1])]
-        failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
-        raise HostFailure(
-            "; then ".join(self._describe(h, e) for h, e in failures),
-            restartable=isinstance(failures[0][1], RayActorError),
-            silent_s=silent_s,
-            noticed=noticed,
-        )
-
-    def _describe(self, host: int, error: Exception) -> str:
-        if isinstance(error, RayActorError):
-            return f"host {host} died ({str(error).splitlines()[0]})"
-        log = self.output_dir / f"host_{host}_error.txt"
-        log.write_text(str(error))
-        cause = error.cause
-        return f"host {host} failed: {type(cause).__name__}: {cause} (traceback in {log})"
 
     def _drain(self, inbox: Queue, watchdog: Watchdog) -> None:
         while True:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from training.config import FaultConfig
-from training.driver.restarts import HostFailure
+from training.driver.failures import HostFailure
 from training.events import (
     BEAT_SECONDS,
     STARTING,
