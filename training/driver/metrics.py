@@ -1,4 +1,5 @@
-"""Hosts' reports -> one record per logged step (metrics.jsonl) and the run's summary.json."""
+"""Hosts' logged steps -> one record per logged step (metrics.jsonl); the throughput figures
+summary.json gives."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ LOSS_AGREEMENT_RTOL = 1e-5
 
 
 class MetricsLog:
-    """Joins the hosts' reports of each logged step and appends the joined record to a file."""
+    """Joins the hosts' StepLogged events of each step and appends the joined record to a file."""
 
     def __init__(self, hosts: int, path: Path, perplexity: bool = True):
         self.hosts = hosts
@@ -25,21 +26,21 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
 
-    def add(self, host: int, report: StepLogged) -> dict | None:
-        """Take one host's report of a step; return the joined record once all hosts sent it."""
-        step = report.step
-        self._pending[step][host] = report
+    def add(self, host: int, logged: StepLogged) -> dict | None:
+        """Take one host's logged step; return the joined record once all hosts sent it."""
+        step = logged.step
+        self._pending[step][host] = logged
         if len(self._pending[step]) < self.hosts:
             return None
         by_host = self._pending.pop(step)
-        record = join_host_reports([by_host[h] for h in range(self.hosts)], self.perplexity)
+        record = join_logged_steps([by_host[h] for h in range(self.hosts)], self.perplexity)
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         return record
 
     def rewind(self, step: int) -> None:
-        """Forget records after `step` and half-joined reports: a fresh host group redoes
+        """Forget records after `step` and half-joined steps: a fresh host group redoes
         them from the checkpoint at `step`. The file keeps every row as it was logged."""
         self.records = [r for r in self.records if r["step"] <= step]
         self._pending.clear()
@@ -48,33 +49,33 @@ class MetricsLog:
         self._file.close()
 
 
-def join_host_reports(reports: list[StepLogged], perplexity: bool = True) -> dict:
-    losses = [r.loss for r in reports]
-    step_seconds = [r.seconds / r.steps for r in reports]
-    interval_seconds = max(r.seconds for r in reports)
-    examples = sum(r.examples for r in reports)
+def join_logged_steps(logged: list[StepLogged], perplexity: bool = True) -> dict:
+    losses = [r.loss for r in logged]
+    step_seconds = [r.seconds / r.steps for r in logged]
+    interval_seconds = max(r.seconds for r in logged)
+    examples = sum(r.examples for r in logged)
     return {
-        "step": reports[0].step,
+        "step": logged[0].step,
         "loss": sum(losses) / len(losses),
         "per_host_loss": losses,
         "hosts_agree": _agree(losses),
         "examples_per_second": examples / interval_seconds,
         "per_host_step_seconds": step_seconds,
-        "slowest_host": max(range(len(reports)), key=step_seconds.__getitem__),
+        "slowest_host": max(range(len(logged)), key=step_seconds.__getitem__),
         "interval_examples": examples,
         "interval_seconds": interval_seconds,
-        "learning_rate": reports[0].learning_rate,
+        "learning_rate": logged[0].learning_rate,
         # Each host's example ids of this step: which rows of the data it really read.
-        "rows_fed": [r.rows_fed for r in reports],
-        **_held_out(reports, perplexity),
+        "rows_fed": [r.rows_fed for r in logged],
+        **_held_out(logged, perplexity),
     }
 
 
-def _held_out(reports: list[StepLogged], perplexity: bool) -> dict:
+def _held_out(logged: list[StepLogged], perplexity: bool) -> dict:
     """Held-out loss and perplexity, where the hosts evaluated at this step."""
-    if reports[0].eval_loss is None:
+    if logged[0].eval_loss is None:
         return {}
-    losses = [r.eval_loss for r in reports]
+    losses = [r.eval_loss for r in logged]
     loss = sum(losses) / len(losses)
     return {
         "eval_loss": loss,

@@ -1,6 +1,6 @@
 """The loop every host runs: set the distribution, build the model, train on this host's rows.
 
-Nothing here knows about Ray: progress leaves through the `report` callback.
+Nothing here knows about Ray: progress leaves as events (`training.events`) through `send`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _never() -> bool:
 def train(
     cfg: RunConfig,
     mesh: MeshShape,
-    report: Send,
+    send: Send,
     stop_requested: Callable[[], bool] = _never,
     phase: Phase | None = None,
 ) -> dict:
@@ -73,7 +73,7 @@ def train(
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
-    report(
+    send(
         Ready(
             rows=[feed.rows.start, feed.rows.stop],
             local_devices=[d.id for d in jax.local_devices()],
@@ -94,7 +94,7 @@ def train(
         2 * cfg.fault.step_timeout_s,
     )
     final_loss, reached = _train_loop(
-        cfg.trainer, model, feed, examples_per_step, report, start, guard
+        cfg.trainer, model, feed, examples_per_step, send, start, guard
     )
     if checkpoints:
         checkpoints.close()
@@ -217,11 +217,11 @@ def _train_loop(
     model,
     feed: HostFeed,
     examples_per_step,
-    report,
+    send,
     start: int,
     guard: StepGuard,
 ) -> tuple[float | None, int]:
-    """Train from step `start`; report each logged step. Return the last logged loss (None
+    """Train from step `start`; send each logged step. Return the last logged loss (None
     if no step was left) and the step reached. The first step is waited for and reported
     with how long the step took to compile and whether the compile cache served it."""
     if start >= trainer.steps:
@@ -233,7 +233,7 @@ def _train_loop(
         with cache_outcome() as compiled:
             compiled["compile_seconds"] = runner.compile(batches.peek())
         reached = _steps(
-            trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled
+            trainer, runner, batches, feed, examples_per_step, send, start, guard, compiled
         )
     finally:
         batches.close()
@@ -241,7 +241,7 @@ def _train_loop(
     return reached
 
 
-def _steps(trainer, runner, batches, feed, examples_per_step, report, start, guard, compiled):
+def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard, compiled):
     """The steps, dispatched without waiting. The phase's finished step moves only where
     the host has seen a step's result (the first step, a logged or saved step, the step
     `bound_in_flight` waited for): a host stuck in a collective does not look busy."""
@@ -258,7 +258,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
             runner.carry[COUNTS].block_until_ready()
             phase.finished(done)
             phase.set(TRAINING)
-            report(Compiled(step=done, **compiled))
+            send(Compiled(step=done, **compiled))
         last = done == trainer.steps
         logged = done % trainer.log_interval == 0 or last
         stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
@@ -299,7 +299,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, report, start, gua
                 with phase.during(EVALUATING):
                     event = replace(event, eval_loss=feed.held_out_loss(model))
                 runner.from_keras()  # Keras' test step replaced the variables' arrays
-            report(event)
+            send(event)
         if save:
             with phase.during(SAVING):
                 guard.checkpoints.save(done)
