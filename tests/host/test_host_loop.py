@@ -17,6 +17,7 @@ from training.build import build_on_grid
 from training.checkpoint.inspection import newest_step
 from training.events import StepLogged
 from training.host import trainer
+from training.host.feed import HostFeed
 from training.host.phases import Phase
 from training.parallel.mesh import MeshShape, device_grid
 
@@ -131,7 +132,7 @@ def test_the_finished_step_moves_only_where_the_host_saw_a_result(tmp_path):
 
 def poison_step(monkeypatch, step: int) -> None:
     """Make every input of step `step` (1-based) NaN: its loss, and all after, are NaN."""
-    batch = trainer.HostFeed.micro_batch
+    batch = HostFeed.micro_batch
 
     def poisoned(feed, index):
         x, y = batch(feed, index)
@@ -139,7 +140,7 @@ def poison_step(monkeypatch, step: int) -> None:
             x = np.full_like(x, np.nan)
         return x, y
 
-    monkeypatch.setattr(trainer.HostFeed, "micro_batch", poisoned)
+    monkeypatch.setattr(HostFeed, "micro_batch", poisoned)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ Nothing here knows about Ray: progress leaves as events (`training.events`) thro
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -14,7 +13,6 @@ import numpy as np
 
 from training.build import build_on_grid, describe_variables
 from training.config import RunConfig, TrainerConfig
-from training.contracts import Dataset
 from training.events import (
     BUILDING,
     COMPILING,
@@ -29,7 +27,8 @@ from training.events import (
 )
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
-from training.host.loop import COUNTS, CompiledStep, Prefetcher
+from training.host.feed import HostFeed, distinct_examples
+from training.host.loop import COUNTS, CompiledStep
 from training.host.phases import Phase
 from training.parallel.mesh import (
     MeshShape,
@@ -83,7 +82,7 @@ def train(
             resumed_from_step=start,
         )
     )
-    examples_per_step = _distinct_examples(grid, cfg.trainer.global_batch, process)
+    examples_per_step = distinct_examples(grid, cfg.trainer.global_batch, process)
     guard = StepGuard(
         cfg.trainer.steps,
         cfg.checkpoint.interval,
@@ -169,47 +168,6 @@ def _any_host(flag: bool, point: str, timeout_s: float) -> bool:
         client.key_value_set(f"{STOP_KEY}/{jax.process_index()}", point, allow_overwrite=True)
     client.wait_at_barrier(f"training/agree/{point}", int(timeout_s * 1000))
     return bool(client.key_value_dir_get(f"{STOP_KEY}/"))
-
-
-@dataclass(frozen=True)
-class HostFeed:
-    """This host's rows of every micro-batch, and the steps that consume them.
-
-    Micro-batch i of optimizer step s is batch s * accumulate + i of size global_batch /
-    accumulate: together they hold exactly the examples of global batch s, so accumulating
-    changes how a step is computed, not what it learns from."""
-
-    dataset: Dataset
-    trainer: TrainerConfig
-    rows: slice
-    # The training batches are read in a background thread: the dataset's one reader.
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def micro_batch(self, index: int) -> tuple:
-        return self.dataset.batch("train", index, self.trainer.micro_batch, self.rows)
-
-    def prefetch(self, step: int) -> Prefetcher:
-        """Micro-batches from step `step` on, each prepared while the one before is used."""
-        return Prefetcher(self.micro_batch, step * self.trainer.accumulate, self.lock)
-
-    def rows_fed(self, step: int) -> list[int]:
-        """Ids of the training examples this host fed at `step`, every micro-batch's."""
-        k, size = self.trainer.accumulate, self.trainer.micro_batch
-        with self.lock:
-            fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
-        return np.concatenate(fed).tolist()
-
-    def held_out_loss(self, model) -> float:
-        """Mean loss over the first `eval_batches` global batches of held-out data, fed in
-        micro-batches like training."""
-        size, batches = self.trainer.micro_batch, self.trainer.eval_batches
-        with self.lock:
-            data = [
-                self.dataset.batch("held_out", i, size, self.rows)
-                for i in range(batches * self.trainer.accumulate)
-            ]
-        losses = [model.test_on_batch(*batch) for batch in data]
-        return sum(float(loss) for loss in losses) / len(losses)
 
 
 def _train_loop(
@@ -316,12 +274,3 @@ def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:
     """Each device's (data, model) position in the mesh, in the order given."""
     positions = {d.id: [int(i), int(j)] for (i, j), d in np.ndenumerate(grid)}
     return [positions[d.id] for d in devices]
-
-
-def _distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:
-    """This host's share of the distinct examples per step: hosts' shares sum to the global
-    batch even where several hosts feed the same rows (a data axis narrower than the hosts)."""
-    rows = host_batch_rows(grid, process, global_batch)
-    processes = {d.process_index for d in grid.reshape(-1)}
-    sharing = sum(host_batch_rows(grid, p, global_batch) == rows for p in processes)
-    return (rows.stop - rows.start) / sharing

@@ -1,0 +1,64 @@
+"""This host's feed: its rows of every batch, read from the dataset, and its share of the
+distinct examples each step trains on."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from training.config import TrainerConfig
+from training.contracts import Dataset
+from training.host.loop import Prefetcher
+from training.parallel.mesh import host_batch_rows
+
+
+@dataclass(frozen=True)
+class HostFeed:
+    """This host's rows of every micro-batch, and the steps that consume them.
+
+    Micro-batch i of optimizer step s is batch s * accumulate + i of size global_batch /
+    accumulate: together they hold exactly the examples of global batch s, so accumulating
+    changes how a step is computed, not what it learns from."""
+
+    dataset: Dataset
+    trainer: TrainerConfig
+    rows: slice
+    # The training batches are read in a background thread: the dataset's one reader.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def micro_batch(self, index: int) -> tuple:
+        return self.dataset.batch("train", index, self.trainer.micro_batch, self.rows)
+
+    def prefetch(self, step: int) -> Prefetcher:
+        """Micro-batches from step `step` on, each prepared while the one before is used."""
+        return Prefetcher(self.micro_batch, step * self.trainer.accumulate, self.lock)
+
+    def rows_fed(self, step: int) -> list[int]:
+        """Ids of the training examples this host fed at `step`, every micro-batch's."""
+        k, size = self.trainer.accumulate, self.trainer.micro_batch
+        with self.lock:
+            fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
+        return np.concatenate(fed).tolist()
+
+    def held_out_loss(self, model) -> float:
+        """Mean loss over the first `eval_batches` global batches of held-out data, fed in
+        micro-batches like training."""
+        size, batches = self.trainer.micro_batch, self.trainer.eval_batches
+        with self.lock:
+            data = [
+                self.dataset.batch("held_out", i, size, self.rows)
+                for i in range(batches * self.trainer.accumulate)
+            ]
+        losses = [model.test_on_batch(*batch) for batch in data]
+        return sum(float(loss) for loss in losses) / len(losses)
+
+
+def distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:
+    """This host's share of the distinct examples per step: hosts' shares sum to the global
+    batch even where several hosts feed the same rows (a data axis narrower than the hosts)."""
+    rows = host_batch_rows(grid, process, global_batch)
+    processes = {d.process_index for d in grid.reshape(-1)}
+    sharing = sum(host_batch_rows(grid, p, global_batch) == rows for p in processes)
+    return (rows.stop - rows.start) / sharing
