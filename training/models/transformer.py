@@ -18,7 +18,9 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-RULES = {
+from training.contracts import LayoutRules
+
+RULES: LayoutRules = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
     r"position_embedding/embeddings": (None, "model"),
     r"block_\d+_attention/qkv/kernel": (None, None, "model", None),
@@ -44,7 +46,7 @@ def init() -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(stddev=0.02)
 
 
-def layout_rules(device_mesh) -> dict:
+def layout_rules(device_mesh) -> LayoutRules:
     return dict(RULES)
 
 
