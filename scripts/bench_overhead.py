@@ -106,7 +106,7 @@ def run_system(overrides: list[str]) -> dict:
         "compile_seconds": summary["compile_seconds"],
         "compile_cache": summary["compile_cache"],
         "breakdown": {
-            "config, Ray start (checks meanwhile)": driver_before_supervisor,
+            "config, Ray start, checks (hosts start meanwhile)": driver_before_supervisor,
             "actors placed + started": phases["actors_started"] - phases["ray_ready"],
             "jax.distributed joined": phases["jax_cluster_joined"] - phases["actors_started"],
             "model built": phases["model_built"] - phases["jax_cluster_joined"],

@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # The driver only inspects shapes; devices belong to the hosts' actors.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A sweep's trials print alike lines (progress, mesh, hosts); Ray would fold those into one.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# Ray starts its processes with fork+exec after preflight has imported jax; the exec makes
-# jax's warning about forking a multithreaded process moot.
+# Ray starts its processes with fork+exec after jax is imported; the exec makes jax's
+# warning about forking a multithreaded process moot.
 warnings.filterwarnings("ignore", message="os.fork\\(\\) was called", category=RuntimeWarning)
 
 import hydra  # noqa: E402
@@ -44,27 +43,24 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     console = console or Console()
     with sized_to_cluster(to_run_config(cfg)) as cfg:
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
-        # The rest of the checks (the data, the model built abstractly) run while Ray starts
-        # and the hosts' actors start and import their libraries; a failed check stops them
-        # before they do anything else. Ray stays in the main thread: started from another
-        # one while JAX runs, its processes lose their connection to it.
-        with ThreadPoolExecutor(1, thread_name_prefix="preflight") as pool:
-            checking = pool.submit(preflight, cfg)
-            with ray_session(cfg.cluster):
-                if checking.done():  # a check that failed while Ray started: no host starts
-                    checking.result()
-                hosts = HostGroup.request(cfg.cluster)
-                try:
-                    checked = checking.result()
-                    if checked.layout:
-                        print_layout(checked.layout, console)
-                    cfg = with_layout(cfg, checked)
-                    display = ProgressDisplay(cfg.trainer.steps, console)
-                    supervisor = Supervisor(cfg, checked, output_dir, display, hosts)
-                except BaseException:
-                    hosts.shutdown()
-                    raise
-                summary = supervisor.run()
+        # Ray starts before the rest of the checks, not beside them in a thread: it starts its
+        # processes by fork, and a fork while another thread is inside a BLAS call hangs in
+        # OpenBLAS's fork handler (seen in CI, with preflight's synthetic data). The checks
+        # (the data, the model built abstractly) run while the hosts' actors start in their
+        # own processes and import their libraries; a failed check stops them.
+        with ray_session(cfg.cluster):
+            hosts = HostGroup.request(cfg.cluster)
+            try:
+                checked = preflight(cfg)
+                if checked.layout:
+                    print_layout(checked.layout, console)
+                cfg = with_layout(cfg, checked)
+                display = ProgressDisplay(cfg.trainer.steps, console)
+                supervisor = Supervisor(cfg, checked, output_dir, display, hosts)
+            except BaseException:
+                hosts.shutdown()
+                raise
+            summary = supervisor.run()
     print_summary(summary, console)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary

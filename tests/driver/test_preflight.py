@@ -103,3 +103,26 @@ def test_a_global_batch_accumulate_cannot_split_is_a_config_error():
         ConfigError, match="global_batch=64 is not divisible by trainer.accumulate=3"
     ):
         run_config(["trainer.accumulate=3"])
+
+
+@pytest.mark.ray
+def test_the_checks_run_once_ray_has_started_and_in_the_callers_thread(monkeypatch, tmp_path):
+    """Ray starts its processes by fork; a fork while another thread is inside a BLAS call
+    hangs in OpenBLAS's fork handler (it hung CI with preflight's synthetic data in a
+    thread). So the checks run after Ray has started, in the caller's thread."""
+    import threading
+
+    import ray
+
+    from training import run
+
+    seen = {}
+
+    def recording_preflight(cfg):
+        seen.update(thread=threading.current_thread(), ray_up=ray.is_initialized())
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(run, "preflight", recording_preflight)
+    with pytest.raises(ConfigError, match="stop here"):
+        run.run_training(run_config([]), tmp_path)
+    assert seen == {"thread": threading.main_thread(), "ray_up": True}
