@@ -1,11 +1,16 @@
-"""Your own model, as `python -m training.run` takes it (README: "Your own model and data").
+"""Your own models, as `python -m training.run` takes them (README: "Your own model and data"
+and "The training recipe").
 
 Run from this directory:
 
-    python make_data.py   # writes train.npz: 8192 rows of x (16 features) and y (1 target)
+    python make_data.py   # writes train.npz (a regression) and images.npz (10 classes)
     python -m training.run model=keras model.build=my_models:get_model model.loss=mse \
         model.layout=my_models:get_layout_map \
         data=arrays data.path=train.npz strategy=hybrid mesh.data=2 mesh.model=4
+    python -m training.run model=keras model.build=my_models:get_classifier \
+        model.loss=my_models:classifier_loss 'model.metrics=[accuracy]' \
+        data=arrays data.path=images.npz optimizer=adamw optimizer.schedule=cosine \
+        optimizer.warmup_steps=10 optimizer.global_clipnorm=1.0
 
 Nothing here knows about the system: plain Keras, written as the Keras guides write it.
 """
@@ -49,3 +54,26 @@ class TwoTower(keras.Model):
 
 def get_two_tower(hidden: int = 64) -> keras.Model:
     return TwoTower(hidden, name="two_tower")
+
+
+def get_classifier(
+    height: int = 8, width: int = 8, classes: int = 10, filters: int = 16, dropout: float = 0.1
+) -> keras.Model:
+    """A small convolutional classifier of one-channel images: two convolutions, each with
+    BatchNormalization, then Dropout and a dense head giving logits (no softmax)."""
+    image = keras.Input(shape=(height, width, 1), name="image")
+    h = image
+    for i, width_ in enumerate((filters, 2 * filters), start=1):
+        h = keras.layers.Conv2D(width_, 3, padding="same", use_bias=False, name=f"conv{i}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        h = keras.layers.ReLU()(h)
+        h = keras.layers.MaxPooling2D(name=f"pool{i}")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dropout(dropout)(h)
+    logits = keras.layers.Dense(classes, name="head")(h)
+    return keras.Model(image, logits, name="classifier")
+
+
+def classifier_loss() -> keras.losses.Loss:
+    """The classifier's head gives logits: `model.loss=my_models:classifier_loss`."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -15,6 +15,7 @@ whole global batch at once, which is what accumulating its micro-batches must eq
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -28,7 +29,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from training import models  # noqa: E402
 from training.config import register_configs, to_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
-from training.optimizers import build_optimizer  # noqa: E402
+from training.recipe import compile_model  # noqa: E402
 
 # Keras' documented dtype policies, spelled out here rather than taken from the trainer.
 POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
@@ -44,12 +45,12 @@ def reference_losses(overrides: list[str]) -> list[float]:
     keras.config.set_dtype_policy(POLICIES[cfg.trainer.precision])
     dataset = build_dataset(cfg.data)
     model = models.build_model(cfg.model, dataset.spec)
-    model.compile(optimizer=build_optimizer(cfg.optimizer), loss=models.build_loss(cfg.model))
+    compile_model(model, replace(cfg, trainer=replace(cfg.trainer, accumulate=1)))
     batch = cfg.trainer.global_batch
     losses, interval = [], []
     for step in range(cfg.trainer.steps):
-        x, y = dataset.batch("train", step, batch, slice(0, batch))
-        interval.append(float(model.train_on_batch(x, y, return_dict=True)["loss"]))
+        data = dataset.batch("train", step, batch, slice(0, batch))
+        interval.append(float(model.train_on_batch(*data, return_dict=True)["loss"]))
         if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.steps:
             losses.append(sum(interval) / len(interval))
             interval = []

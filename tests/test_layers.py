@@ -10,14 +10,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "training"
 
 # The command-line entry points, at the top: no other module imports them.
-CLIS = ("training.run", "training.plan", "training.report")
+CLIS = ("training.run", "training.plan", "training.report", "training.export")
 # A module (or package) → the modules it must never import, at any depth in its code.
 FORBIDDEN = {
     "training.host": ("training.driver",),
     "training.parallel": ("training.host", "training.driver"),
     "training.build": ("training.host", "training.driver"),
     "training.checkpoint": ("training.host", "training.driver", "training.parallel"),
-    "training.models": ("training.parallel", "training.host", "training.driver"),
+    "training.recipe": ("training.parallel", "training.host", "training.driver"),
+    "training.models": ("training.recipe", "training.parallel", "training.host", "training.driver"),
     "training.data": ("training.models", "training.parallel", "training.host", "training.driver"),
     "training.events": ("training.host", "training.driver"),
     "training.contracts": ("training.models", "training.data", "training.host", "training.driver"),

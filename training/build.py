@@ -10,9 +10,10 @@ import numpy as np
 
 from training import models
 from training.config import RunConfig
+from training.contracts import DataSpec
 from training.data import build_dataset
-from training.optimizers import build_optimizer
 from training.parallel.mesh import build_distribution
+from training.recipe import compile_model
 
 # Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
 DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
@@ -22,20 +23,28 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
     import keras
 
-    # Same seed on every host, or the replicated initial weights differ between processes.
-    keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
     rules = {}
     if cfg.strategy.name != "data_parallel":
         rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
     keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
     dataset = build_dataset(cfg.data)
-    model = models.build_model(cfg.model, dataset.spec)
-    optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
-    model.compile(optimizer=optimizer, loss=models.build_loss(cfg.model))
-    # Built now rather than at the first step, so that a checkpoint can be restored into it.
-    optimizer.build(model.trainable_variables)
-    return model, dataset
+    return build_compiled(cfg, dataset.spec), dataset
+
+
+def build_compiled(cfg: RunConfig, data_spec: DataSpec):
+    """The model compiled with its recipe, under the distribution set (if any), for data of
+    `data_spec`: its optimizer and metrics built too."""
+    import keras
+
+    # Same seed on every host, or the replicated initial weights differ between processes.
+    keras.utils.set_random_seed(cfg.trainer.seed)
+    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    model = models.build_model(cfg.model, data_spec)
+    compile_model(model, cfg)
+    # The optimizer and the compiled metrics built now rather than at the first step, so
+    # that a checkpoint can be restored into them and the step carries every metric.
+    model._symbolic_build(data_batch=models.symbolic_batch(data_spec))
+    return model
 
 
 def describe_variables(variables) -> dict[str, dict]:

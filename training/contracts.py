@@ -17,9 +17,9 @@ Modules are found from the working directory first, then installed packages. The
 models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the same way.
 
 A dataset (a `Dataset`) gives a `DataSpec` (what a model must accept, what hosts must agree on)
-and `batch(split, index, batch_size, rows) -> (x, y)`, where `x` is one array or a dict of
-arrays by model input name, and `rows(...)` with the same arguments: the ids of the examples
-read.
+and `batch(split, index, batch_size, rows) -> (x, y)` or `(x, y, sample_weight)`, where `x`
+is one array or a dict of arrays by model input name, and `rows(...)` with the same arguments:
+the ids of the examples read.
 """
 
 from __future__ import annotations
@@ -88,13 +88,42 @@ class DataSpec:
     baseline_loss: float | None = None
     # Positions a loss averages over per example: the tokens of a sequence, else 1.
     positions_per_example: int = 1
+    # Where batches give a third array, Keras' sample_weight: its per-example spec.
+    sample_weight: ArraySpec | None = None
+
+
+def data_spec_from_dict(values: dict) -> DataSpec:
+    """The DataSpec `dataclasses.asdict` gave `values` (a checkpoint's record holds one)."""
+
+    def array(spec: dict) -> ArraySpec:
+        return ArraySpec(tuple(spec["shape"]), spec["dtype"])
+
+    inputs = values["inputs"]
+    weights = values.get("sample_weight")
+    return DataSpec(
+        **{
+            **values,
+            "inputs": array(inputs)
+            if "shape" in inputs
+            else {name: array(spec) for name, spec in inputs.items()},
+            "labels": array(values["labels"]),
+            "sample_weight": array(weights) if weights else None,
+        }
+    )
+
+
+def predicts_tokens(spec: DataSpec) -> bool:
+    """Labels are class ids at several positions of each example: token prediction, where
+    exp(held-out loss) is a perplexity."""
+    return spec.num_classes is not None and spec.positions_per_example > 1
 
 
 class Dataset(Protocol):
     spec: DataSpec
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice) -> tuple:
-        """(x, y) of rows `rows` of batch `index` of a split (one of `SPLITS`)."""
+        """(x, y), or (x, y, sample_weight) where the spec has a sample_weight, of rows
+        `rows` of batch `index` of a split (one of `SPLITS`)."""
         ...
 
     def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:

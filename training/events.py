@@ -13,7 +13,7 @@ It beats every BEAT_SECONDS with its phase; the driver bounds each phase
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BEAT_SECONDS = 1.0
 STARTING, JOINING, BUILDING, RESTORING, COMPILING = (
@@ -25,8 +25,9 @@ STARTING, JOINING, BUILDING, RESTORING, COMPILING = (
 )
 # Until the first step's result: bounded together by fault.startup_timeout_s.
 STARTUP_PHASES = (STARTING, JOINING, BUILDING, RESTORING, COMPILING)
-# Training and its pauses, each bounded by fault.step_timeout_s.
-TRAINING, EVALUATING, SAVING = "training", "evaluating", "saving"
+# Training and its pauses (exporting: the model written out at the end), each bounded by
+# fault.step_timeout_s.
+TRAINING, EVALUATING, SAVING, EXPORTING = "training", "evaluating", "saving", "exporting"
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,11 @@ class StepLogged:
     seconds: float
     steps: int
     examples: float  # the host's share of the distinct examples the steps fed
-    learning_rate: float
+    learning_rate: float  # the rate of `step`'s update
     rows_fed: list[int]  # the example ids the host fed at `step`
-    eval_loss: float | None = None  # where the host evaluated at `step`
+    metrics: dict[str, float] = field(default_factory=dict)  # each over the interval
+    # Where the host evaluated at `step`: the held-out loss and metrics, by name.
+    held_out: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

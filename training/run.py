@@ -26,7 +26,13 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from training.config import ConfigError, RunConfig, register_configs, to_run_config  # noqa: E402
+from training.config import (  # noqa: E402
+    ConfigError,
+    RunConfig,
+    register_configs,
+    settled_export,
+    to_run_config,
+)
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
 from training.driver.failures import HostFailure  # noqa: E402
@@ -41,7 +47,7 @@ register_configs()
 def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console | None = None):
     """Check the config, train, write results under `output_dir`; return the summary."""
     console = console or Console()
-    with sized_to_cluster(to_run_config(cfg)) as cfg:
+    with sized_to_cluster(settled_export(to_run_config(cfg), output_dir)) as cfg:
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
         # Ray starts before the rest of the checks, not beside them in a thread: it starts its
         # processes by fork, and a fork while another thread is inside a BLAS call hangs in
@@ -62,6 +68,8 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 raise
             summary = supervisor.run()
     print_summary(summary, console)
+    if summary.get("exported_model"):
+        console.print(f"model: {summary['exported_model']}", highlight=False, soft_wrap=True)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
 

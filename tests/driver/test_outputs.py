@@ -23,8 +23,7 @@ def row(step: int, **extra) -> dict:
     return {
         "step": step,
         "loss": 2.0 / step,
-        "per_host_loss": [2.0 / step, 2.0 / step],
-        "hosts_agree": True,
+        "rows_fed": [[0], [1]],
         "examples_per_second": 100.0 * step,
         "per_host_step_seconds": [0.01, 0.02 * step],
         "slowest_host": 1,
@@ -40,7 +39,7 @@ def test_every_numeric_field_of_a_row_is_a_scalar_so_new_fields_need_no_change(t
         writer.write(record)
     writer.close()
     logged = read_scalars(tmp_path)
-    assert "hosts_agree" not in logged and "step" not in logged
+    assert "rows_fed" not in logged and "step" not in logged
     assert logged["eval_loss"] == {4: pytest.approx(0.7)}
     assert logged["eval_perplexity"] == {4: pytest.approx(2.01)}
     # TensorBoard stores float32.

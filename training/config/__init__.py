@@ -9,7 +9,7 @@ the config is composed. Cross-field rules (mesh against cluster, batch against m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,17 @@ from training.config.data import (
     TextDataConfig,
     TokenDataConfig,
 )
+from training.config.export import EXPORT_FILE, ExportConfig
 from training.config.fault import FaultConfig
 from training.config.model import HubModelConfig, ModelConfig
-from training.config.optimizer import AdamConfig, OptimizerConfig, SGDConfig
+from training.config.optimizer import (
+    OPTIMIZERS,
+    SCHEDULES,
+    AdamConfig,
+    AdamWConfig,
+    OptimizerConfig,
+    SGDConfig,
+)
 from training.config.plan import PlanConfig
 from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyConfig
 from training.config.sweep import SweepConfig
@@ -48,20 +56,25 @@ __all__ = [
     "CPU_HOSTS",
     "LAYOUTS",
     "AdamConfig",
+    "AdamWConfig",
     "ArrayDataConfig",
     "CheckpointConfig",
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
+    "EXPORT_FILE",
+    "ExportConfig",
     "FaultConfig",
     "HubModelConfig",
     "LocalClusterConfig",
     "MeshConfig",
     "ModelConfig",
+    "OPTIMIZERS",
     "OptimizerConfig",
     "PlanConfig",
     "RayClusterConfig",
     "RunConfig",
+    "SCHEDULES",
     "SGDConfig",
     "StrategyConfig",
     "SweepConfig",
@@ -70,9 +83,12 @@ __all__ = [
     "TokenDataConfig",
     "TrainerConfig",
     "compose_run_config",
+    "config_record",
     "host_gpus",
     "register_configs",
     "resolve_local",
+    "run_config_from_record",
+    "settled_export",
     "to_run_config",
     "url_scheme",
 ]
@@ -93,6 +109,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
@@ -102,6 +119,7 @@ class RunConfig:
             f"fault.max_restarts={self.fault.max_restarts} needs checkpoint.dir: a fresh host "
             "group resumes from the newest checkpoint",
         )
+        self.optimizer.check_against_steps(self.trainer.steps)
 
 
 SCHEMAS = {
@@ -114,7 +132,7 @@ SCHEMAS = {
         "arrays": ArrayDataConfig,
         "tokens": TokenDataConfig,
     },
-    "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
+    "optimizer": OPTIMIZERS,
     "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
@@ -155,6 +173,48 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
     cluster = run.cluster
     found = discover_gpus() if cluster.platform != "cpu" else []
     return replace(run, cluster=resolve_local(cluster, found))
+
+
+def settled_export(run: RunConfig, output_dir: str) -> RunConfig:
+    """`export.dir` where it is empty: the run's directory `output_dir` on a local cluster
+    (the hosts run on this machine); checkpoint.dir, where it is a path, on a Ray cluster."""
+    export = run.export
+    if not export.enabled or export.dir:
+        return run
+    if isinstance(run.cluster, LocalClusterConfig):
+        directory = output_dir
+    elif run.checkpoint.enabled and url_scheme(run.checkpoint.dir) is None:
+        directory = run.checkpoint.dir
+    else:
+        return run
+    return replace(run, export=replace(export, dir=str(directory)))
+
+
+def config_record(run: RunConfig) -> dict:
+    """The config as JSON-able data, each group with its schema's name, from which
+    `run_config_from_record` rebuilds it (in a checkpoint's record, say)."""
+    return {
+        "values": asdict(run),
+        "schemas": {f.name: type(getattr(run, f.name)).__name__ for f in fields(run)},
+    }
+
+
+def run_config_from_record(record: dict) -> RunConfig:
+    """The RunConfig `config_record` described, each group checked by its schema again."""
+    schemas = {
+        schema.__name__: schema
+        for schema in [
+            *(s for options in SCHEMAS.values() for s in options.values()),
+            *(f.default_factory for f in fields(RunConfig) if callable(f.default_factory)),
+        ]
+    }
+    groups = {
+        key: OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(schemas[record["schemas"][key]]), values)
+        )
+        for key, values in record["values"].items()
+    }
+    return RunConfig(**groups)
 
 
 def compose_run_config(overrides: list[str]) -> RunConfig:

@@ -14,6 +14,13 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def names_object(value: str) -> bool:
+    """Whether `value` has the form `module:function` (dotted names both sides)."""
+    module, _, attribute = value.partition(":")
+    parts = [*module.split("."), *attribute.split(".")]
+    return bool(module and attribute) and all(part.isidentifier() for part in parts)
+
+
 def require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
     for key in keys:
         require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from omegaconf import MISSING
 
-from training.config.common import require
+from training.config.common import names_object, require
 from training.config.strategy import checked_layout_rules
 
 
@@ -32,6 +32,11 @@ class ModelConfig:
     # such a dict or a keras.distribution.LayoutMap. Its rules come first; layout_rules
     # override the same patterns.
     layout: str = ""
+    # Keras metric identifiers (accuracy, mae, ...) or module:function returning a metric,
+    # compiled into the model: `metrics` unweighted, `weighted_metrics` weighted by the
+    # data's sample weights (Keras' compile arguments of the same names).
+    metrics: List[str] = field(default_factory=list)
+    weighted_metrics: List[str] = field(default_factory=list)
     # Token data (data=text, data=tokens) is cut into windows of seq_len + 1 tokens.
     seq_len: int = 128
 
@@ -41,7 +46,7 @@ class ModelConfig:
             named["loss"] = self.loss
         for key, value in named.items():
             require(
-                not value or _is_object_path(value),
+                not value or names_object(value),
                 f"model.{key}={value!r} must name a Python object as module:function",
             )
         require(self.seq_len >= 1, "model.seq_len must be >= 1")
@@ -54,15 +59,6 @@ class ModelConfig:
     def layout_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the `layout` function besides the device mesh."""
         return {}
-
-
-def _is_object_path(value: str) -> bool:
-    module, _, attribute = value.partition(":")
-    return (
-        bool(module)
-        and bool(attribute)
-        and all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
-    )
 
 
 @dataclass

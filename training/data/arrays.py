@@ -1,7 +1,9 @@
 """Arrays on disk: a .npz file, or a directory of .npy files, read one batch slice at a time.
 
 Keys: `x` (a model with one input) or `x_<name>` for each named input (a batch's x is then a
-dict by input name), and `y`. Other keys are ignored. A directory of .npy files and an
+dict by input name), `y`, and optionally `sample_weight` (per example, or per label position
+of sequence labels), which a batch then gives third, as Keras' `fit` takes it. Other keys are
+ignored. A directory of .npy files and an
 uncompressed .npz (`np.savez`) are memory-mapped, so data larger than memory works: a batch
 reads only its own rows, sorted so that page reads stay local. The members of a compressed
 .npz (`np.savez_compressed`) cannot be mapped: their headers are read at once, and each member
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ArrayDataConfig, ConfigError
-from training.contracts import SPLITS, DataSpec
+from training.contracts import SPLITS, ArraySpec, DataSpec
 from training.data import (
     EpochOrder,
     in_file_order,
@@ -35,6 +37,8 @@ from training.data import (
 )
 from training.data.array_files import common_length, example_spec, input_keys, open_arrays
 
+# The optional array of per-example (or per-label) weights of the loss and weighted metrics.
+SAMPLE_WEIGHT = "sample_weight"
 # Labels scanned to count the classes and their frequencies (64 Mi: about a second).
 LABEL_SCAN_LIMIT = 1 << 26
 # More classes than this and integer labels are not class ids (bincount would be huge).
@@ -55,7 +59,8 @@ class ArrayData:
         self.cfg = cfg
         train_arrays, files = open_arrays(cfg.path, "data.path")
         self.inputs = input_keys(train_arrays, "data.path", cfg.path)
-        keys = [*self.inputs.values(), "y"]
+        self.weighted = SAMPLE_WEIGHT in train_arrays
+        keys = [*self.inputs.values(), "y", *([SAMPLE_WEIGHT] if self.weighted else [])]
         total = common_length(train_arrays, keys, "data.path", cfg.path)
         if cfg.held_out_path:
             held_arrays, held_files = open_arrays(cfg.held_out_path, "data.held_out_path")
@@ -84,14 +89,32 @@ class ArrayData:
         }
         num_classes, baseline = self._classes()
         x_specs = {name: example_spec(train_arrays[key]) for name, key in self.inputs.items()}
+        labels = example_spec(train_arrays["y"])
         self.spec = DataSpec(
             inputs=x_specs.get(None, x_specs),
-            labels=example_spec(train_arrays["y"]),
+            labels=labels,
+            sample_weight=self._weight_spec(train_arrays, labels),
             examples=self.splits["train"].count,
             fingerprint=self._fingerprint(files, keys),
             num_classes=num_classes,
             baseline_loss=baseline,
         )
+
+    def _weight_spec(self, arrays: dict, labels: ArraySpec) -> ArraySpec | None:
+        """A weight per example, or one per label where labels are sequences (a weight per
+        token), as Keras' `sample_weight`."""
+        if not self.weighted:
+            return None
+        spec = example_spec(arrays[SAMPLE_WEIGHT])
+        fits = spec.shape in ((), labels.shape[:1]) and np.issubdtype(spec.dtype, np.number)
+        if not fits:
+            raise ConfigError(
+                f"data.path={self.cfg.path!r}: sample_weight has examples of "
+                f"{spec.describe()}; it takes one number per example (shape []) or, for "
+                f"labels y of shape {list(labels.shape)}, one per label position (shape "
+                f"{list(labels.shape[:1])})"
+            )
+        return spec
 
     def _check_held_out(self, train: dict, held: dict, keys: list[str]) -> None:
         held_inputs = input_keys(held, "data.held_out_path", self.cfg.held_out_path)
@@ -100,6 +123,11 @@ class ArrayData:
                 f"data.held_out_path={self.cfg.held_out_path!r} has inputs "
                 f"{', '.join(held_inputs.values())} but data.path={self.cfg.path!r} has "
                 f"{', '.join(self.inputs.values())}"
+            )
+        if (SAMPLE_WEIGHT in held) != self.weighted:
+            raise ConfigError(
+                f"data.path={self.cfg.path!r} and data.held_out_path="
+                f"{self.cfg.held_out_path!r} must both have a sample_weight array, or neither"
             )
         differ = [
             f"{key}: training {example_spec(train[key]).describe()}, "
@@ -197,10 +225,11 @@ class ArrayData:
 
         x = {name: read(key) for name, key in self.inputs.items()}
         y = read("y")
+        weights = (read(SAMPLE_WEIGHT),) if self.weighted else ()
         classes = self.spec.num_classes
         if classes is not None and y.size and (y.min() < 0 or y.max() >= classes):
             raise ConfigError(
                 f"a {split} batch has label {y.min() if y.min() < 0 else y.max()}, outside "
                 f"the {classes} classes (data.num_classes)"
             )
-        return x.get(None, x), y
+        return x.get(None, x), y, *weights

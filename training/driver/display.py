@@ -16,6 +16,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from training.driver.metrics import metric_names
+
 # Without a terminal, a phase other than training is told once it has lasted this long.
 PHASE_NOTICE_SECONDS = 10.0
 
@@ -86,20 +88,14 @@ class ProgressDisplay:
             )
 
     def logged(self, record: dict) -> None:
-        loss, speed = f"{record['loss']:.4f}", f"{record['examples_per_second']:,.0f}"
+        loss = f"{record['loss']:.4f}" + "".join(
+            f"  {name} {record[name]:.4f}" for name in metric_names([record])
+        )
+        speed = f"{record['examples_per_second']:,.0f}"
         slowest = _slowest_host(record)
-        if not record["hosts_agree"]:
-            self.console.print(
-                f"warning: hosts disagree on the loss at step {record['step']}: "
-                f"{record['per_host_loss']}",
-                highlight=False,
-                soft_wrap=True,
-            )
         if "eval_loss" in record:
-            perplexity = record["eval_perplexity"]
             self.console.print(
-                f"step {record['step']}: held-out loss {record['eval_loss']:.4f}"
-                + (f", perplexity {perplexity:.2f}" if perplexity is not None else ""),
+                f"step {record['step']}: held-out {_held_out(record)}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -146,9 +142,7 @@ def print_summary(summary: dict, console: Console) -> None:
         "replicated on every device)"
     )
     if summary["eval_loss"] is not None:
-        held_out = f"held-out loss {summary['eval_loss']:.4f}"
-        if summary["eval_perplexity"] is not None:
-            held_out += f" · perplexity {summary['eval_perplexity']:.2f}"
+        held_out = f"held-out {_held_out(summary)}"
         if summary["baseline_eval_loss"] is not None:
             held_out += f" · baseline (label frequencies only) {summary['baseline_eval_loss']:.4f}"
         lines.append(held_out)
@@ -159,6 +153,17 @@ def print_summary(summary: dict, console: Console) -> None:
             f"{summary['resumed_from_step']} · {_count(summary['restarts'], 'restart')}"
         )
     console.print("\n".join(lines), highlight=False, soft_wrap=True)
+
+
+def _held_out(figures: dict) -> str:
+    """`loss 0.4321 · accuracy 0.8750 · perplexity 1.54` from a record's or the summary's
+    `eval_*` figures."""
+    shown = {
+        key.removeprefix("eval_"): value
+        for key, value in sorted(figures.items(), key=lambda item: item[0] != "eval_loss")
+        if key.startswith("eval_") and isinstance(value, float)
+    }
+    return " · ".join(f"{name} {value:.4f}" for name, value in shown.items())
 
 
 def _count(n: int, noun: str) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from training.events import StepLogged
 
-# Hosts compute the loss from the same global arrays, so they agree up to float noise.
-LOSS_AGREEMENT_RTOL = 1e-5
+# exp() of a larger loss overflows a float: such a perplexity is shown as exp(700).
+MAX_LOG_PERPLEXITY = 700.0
 
 
 class MetricsLog:
@@ -20,7 +20,7 @@ class MetricsLog:
 
     def __init__(self, hosts: int, path: Path, perplexity: bool = True):
         self.hosts = hosts
-        self.perplexity = perplexity  # exp(loss) means something for a cross-entropy only
+        self.perplexity = perplexity  # exp(loss) means something for token prediction only
         self.records: list[dict] = []
         self._pending: dict[int, dict[int, StepLogged]] = defaultdict(dict)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,15 +50,15 @@ class MetricsLog:
 
 
 def join_logged_steps(logged: list[StepLogged], perplexity: bool = True) -> dict:
-    losses = [r.loss for r in logged]
+    """One record of a logged step from every host's. The loss and the metrics are of
+    global arrays, the same on every host: host 0's are the step's."""
     step_seconds = [r.seconds / r.steps for r in logged]
     interval_seconds = max(r.seconds for r in logged)
     examples = sum(r.examples for r in logged)
     return {
         "step": logged[0].step,
-        "loss": sum(losses) / len(losses),
-        "per_host_loss": losses,
-        "hosts_agree": _agree(losses),
+        "loss": logged[0].loss,
+        **logged[0].metrics,
         "examples_per_second": examples / interval_seconds,
         "per_host_step_seconds": step_seconds,
         "slowest_host": max(range(len(logged)), key=step_seconds.__getitem__),
@@ -67,26 +67,41 @@ def join_logged_steps(logged: list[StepLogged], perplexity: bool = True) -> dict
         "learning_rate": logged[0].learning_rate,
         # Each host's example ids of this step: which rows of the data it really read.
         "rows_fed": [r.rows_fed for r in logged],
-        **_held_out(logged, perplexity),
+        **_held_out(logged[0].held_out, perplexity),
     }
 
 
-def _held_out(logged: list[StepLogged], perplexity: bool) -> dict:
-    """Held-out loss and perplexity, where the hosts evaluated at this step."""
-    if logged[0].eval_loss is None:
+def _held_out(held_out: dict[str, float] | None, perplexity: bool) -> dict:
+    """`eval_<name>` for the held-out loss and each metric, where the hosts evaluated at
+    this step; perplexity for token prediction."""
+    if held_out is None:
         return {}
-    losses = [r.eval_loss for r in logged]
-    loss = sum(losses) / len(losses)
-    return {
-        "eval_loss": loss,
-        "eval_perplexity": math.exp(loss) if perplexity else None,
-        "eval_hosts_agree": _agree(losses),
-    }
+    record = {f"eval_{name}": value for name, value in held_out.items()}
+    if perplexity:
+        record["eval_perplexity"] = math.exp(min(held_out["loss"], MAX_LOG_PERPLEXITY))
+    return record
 
 
-def _agree(values: list[float]) -> bool:
-    low, high = min(values), max(values)
-    return high - low <= LOSS_AGREEMENT_RTOL * max(abs(high), abs(low), 1e-12)
+# A record's fields besides the compiled metrics and the held-out `eval_*` figures.
+RECORD_FIELDS = (
+    "step",
+    "loss",
+    "examples_per_second",
+    "per_host_step_seconds",
+    "slowest_host",
+    "interval_examples",
+    "interval_seconds",
+    "learning_rate",
+    "rows_fed",
+)
+
+
+def metric_names(records: list[dict]) -> list[str]:
+    """The compiled metrics the records hold, by name (`accuracy`), in their order."""
+    if not records:
+        return []
+    last = records[-1]
+    return [k for k in last if k not in RECORD_FIELDS and not k.startswith("eval_")]
 
 
 def _steady(records: list[dict]) -> list[dict]:

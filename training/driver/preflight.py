@@ -13,6 +13,8 @@ from training.contracts import ACTIVATION_RULE_SUFFIX, Dataset, DataSpec, Layout
 from training.data import build_dataset
 from training.parallel import auto_layout
 from training.parallel.mesh import MeshShape, resolve_mesh
+from training.recipe import compile_model
+from training.recipe.metrics import check_metrics_fit
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def preflight(cfg: RunConfig) -> Checked:
     check_enough_examples(cfg.trainer, data_spec)
     model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
+    compile_model(model, cfg)
+    check_metrics_fit(cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0)
     variables = [models.variable_info(v) for v in model.variables]
     layout = None
     if auto_layout.uses_auto_layout(cfg):

@@ -13,7 +13,12 @@ from pathlib import Path
 from training.checkpoint.inspection import newest_step
 from training.checkpoint.storage import directory_bytes
 from training.config import RunConfig
-from training.driver.metrics import per_host_step_seconds, steady_examples_per_second, write_json
+from training.driver.metrics import (
+    metric_names,
+    per_host_step_seconds,
+    steady_examples_per_second,
+    write_json,
+)
 from training.driver.preflight import Checked
 from training.driver.restarts import Restarts
 from training.models import SPLIT_THRESHOLD_BYTES
@@ -71,9 +76,7 @@ def build_summary(
         "per_host_final_loss": [r["final_loss"] for r in results],
         # Logged steps at which every host fed exactly its rows of the global batch.
         "rows_fed_checked_steps": rows_checked_steps,
-        "hosts_agree_on_loss": all(
-            r["hosts_agree"] and r.get("eval_hosts_agree", True) for r in records
-        ),
+        **_metrics_summary(records),
         **_held_out_summary(records, checked.data_spec.baseline_loss),
         "examples_per_second": steady_examples_per_second(records) if records else None,
         "per_host_step_seconds": per_host_step_seconds(records) if records else None,
@@ -102,6 +105,8 @@ def build_summary(
     }
     if results:
         built.update(_layout_summary(results[0]))
+        # The trained model in Keras' format (training.checkpoint.export), where written.
+        built["exported_model"] = results[0]["exported"]
     if error is not None:
         built["error"] = f"{type(error).__name__}: {error}"
         built["traceback"] = traceback.format_exception(error)
@@ -141,12 +146,24 @@ def _checkpoint_summary(cfg: RunConfig, results: list[dict], stop_signal: int | 
     return summary
 
 
+def _metrics_summary(records: list[dict]) -> dict:
+    """Each compiled metric's last logged value (`final_<name>`) and its history."""
+    names = metric_names(records)
+    return {
+        "metric_names": names,
+        **{f"final_{name}": records[-1][name] for name in names},
+        "metric_history": {name: [r[name] for r in records] for name in names},
+    }
+
+
 def _held_out_summary(records: list[dict], baseline_loss: float) -> dict:
     evaluated = [r for r in records if "eval_loss" in r]
     last = evaluated[-1] if evaluated else {}
+    held_out = {key: value for key, value in last.items() if key.startswith("eval_")}
     return {
-        "eval_loss": last.get("eval_loss"),
-        "eval_perplexity": last.get("eval_perplexity"),
+        "eval_loss": None,
+        "eval_perplexity": None,
+        **held_out,
         "eval_history": [[r["step"], r["eval_loss"]] for r in evaluated],
         # What a model that knows only the training labels' frequencies scores held out.
         "baseline_eval_loss": baseline_loss,

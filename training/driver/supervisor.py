@@ -20,6 +20,7 @@ from ray.util.queue import Empty, Queue
 
 from training.checkpoint.inspection import newest_step
 from training.config import RunConfig
+from training.contracts import predicts_tokens
 from training.driver.cluster import ray_session
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
@@ -63,7 +64,7 @@ class Supervisor:
         self.metrics = MetricsLog(
             checked.hosts,
             output_dir / "metrics.jsonl",
-            perplexity=checked.data_spec.num_classes is not None,
+            perplexity=predicts_tokens(checked.data_spec),
         )
         self.log = RunLog(output_dir, display.console)
         self.scalars = ScalarWriter(output_dir)

@@ -144,7 +144,7 @@ class Watchdog:
         elif p.phase == TRAINING:
             bound, seconds = "step_timeout_s", now - max(p.step_since, p.phase_since)
             what = f"training without a finished step for {seconds:.0f} s ({at})"
-        else:  # evaluating, saving
+        else:  # evaluating, saving, exporting
             bound, seconds = "step_timeout_s", in_phase
             what = f"{p.phase} for {seconds:.0f} s ({at})"
         limit = getattr(self.fault, bound)

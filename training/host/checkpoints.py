@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import asdict
 
 from training.checkpoint.record import (
     FORMAT,
@@ -36,7 +37,8 @@ from training.checkpoint.views import (
     remove_marker,
     write_marker,
 )
-from training.config import RunConfig
+from training.config import RunConfig, config_record
+from training.contracts import DataSpec
 
 # Optimizer variables the config owns: a resume takes them from this run's config (an
 # allowed learning-rate change must take effect), not from the checkpoint.
@@ -104,19 +106,20 @@ class HostCheckpoints:
     host creates it and calls each method at the same step (orbax synchronises them).
 
     Creating it is collective (`agree_on_directory`): hosts agree on checkpoint.dir and its
-    newest step before anything is restored. `data_fingerprint` is the fingerprint of the
-    data this host reads (`dataset.spec.fingerprint`); without it the dataset is built again
-    to read it."""
+    newest step before anything is restored. `data_spec` is the spec of the data this host
+    reads (`dataset.spec`); without it the dataset is built again to read it."""
 
-    def __init__(self, cfg: RunConfig, model, data_fingerprint: str | None = None):
+    def __init__(self, cfg: RunConfig, model, data_spec: DataSpec | None = None):
         self.cfg = cfg.checkpoint
         self.model = model
         self.accumulate = cfg.trainer.accumulate
-        if data_fingerprint is None:
+        if data_spec is None:
             from training.data import build_dataset
 
-            data_fingerprint = build_dataset(cfg.data).spec.fingerprint
-        self.resume = resume_record(cfg, data_fingerprint)
+            data_spec = build_dataset(cfg.data).spec
+        self.resume = resume_record(cfg, data_spec.fingerprint)
+        # What `python -m training.export` needs to build the model again, without the data.
+        self.model_source = {"run_config": config_record(cfg), "data_spec": asdict(data_spec)}
         self.variables = keyed_variables(model)
         self.saved_step: int | None = agree_on_directory(self.cfg.dir)
         self.manager = open_manager(self.cfg, read_only=False)
@@ -202,6 +205,7 @@ class HostCheckpoints:
             "resume": self.resume,
             "variables": self._shapes("model"),
             "optimizer_variables": self._shapes("optimizer"),
+            **self.model_source,
         }
         self.manager.save(
             step,

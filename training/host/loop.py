@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from training.host.compile_cache import compile_step
+from training.recipe.schedules import learning_rate_at
 
 # At most about this many steps are left in flight: XLA:CPU's collectives can abort when
 # hundreds of steps are queued without the host ever waiting (jax #25861).
@@ -36,6 +37,7 @@ class Interval:
     micro_batches: int
     bad_step: int | None  # the first step whose loss was not finite, None if none was
     bad_loss: float
+    metrics: dict[str, float]  # each compiled metric over the interval
 
 
 class CompiledStep:
@@ -49,9 +51,13 @@ class CompiledStep:
         mesh = _mesh()
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         model.reset_metrics()
-        # Fresh metric states for every step: the loss tracker then gives the step's loss.
+        # The metrics' fresh states: each interval between reads starts from them, so a read
+        # gives each metric over the interval. Never donated, so they serve every interval;
         # Keras never holds these arrays again (resetting its metrics assigns new ones).
-        self._metrics = [v.value for v in model.metrics_variables]
+        self._fresh_metrics = [v.value for v in model.metrics_variables]
+        self.metrics = self._fresh_metrics
+        self._results = jax.jit(lambda metrics: metric_results(model, metrics))
+        self._test_step = jax.jit(model.test_step)
         self.from_keras()
         # Two small arrays, not four scalars: each array is a buffer the step takes and
         # returns, and on a fast step (1 CPU device, a small model) four cost 10 %.
@@ -90,21 +96,28 @@ class CompiledStep:
         shardings = model._get_state_sharding_spec()[:3]
 
         def micro_step(state, metrics, carry, data):
-            logs, (trainable, non_trainable, optimizer, _) = model.train_step(
+            logs, (trainable, non_trainable, optimizer, metrics) = model.train_step(
                 (*state, metrics), data
             )
-            return (trainable, non_trainable, optimizer), _add_loss(carry, logs["loss"], accumulate)
+            carry = _add_loss(carry, logs["loss"], accumulate)
+            return (trainable, non_trainable, optimizer), metrics, carry
 
         # The state is donated: updated in place. The carry (two small arrays) is not, so that
-        # `bound_in_flight` can wait on an older one.
-        step = jax.jit(micro_step, donate_argnums=0, out_shardings=(shardings, self._replicated))
-        lowered = step.lower(self.state, self._metrics, self.carry, batch)
+        # `bound_in_flight` can wait on an older one; nor are the metrics (see __init__).
+        step = jax.jit(
+            micro_step,
+            donate_argnums=0,
+            out_shardings=(shardings, self._replicated, self._replicated),
+        )
+        lowered = step.lower(self.state, self.metrics, self.carry, batch)
         self._compiled = compile_step(lowered)
         return time.perf_counter() - started
 
     def __call__(self, batch) -> None:
         """Dispatch one micro-batch; returns before the devices finish it."""
-        self.state, self.carry = self._compiled(self.state, self._metrics, self.carry, batch)
+        self.state, self.metrics, self.carry = self._compiled(
+            self.state, self.metrics, self.carry, batch
+        )
 
     def bound_in_flight(self, step: int) -> int | None:
         """Mark `step`, just dispatched; wait for the step marked before it (about
@@ -121,12 +134,33 @@ class CompiledStep:
         """Wait for the steps dispatched so far; return their sums and start new ones."""
         import jax
 
-        (loss_sum, bad_loss), (micro, bad_step) = jax.device_get(self.carry)
+        carry, metrics = jax.device_get((self.carry, self._results(self.metrics)))
+        (loss_sum, bad_loss), (micro, bad_step) = carry
         self.carry = self._reset(self.carry)
+        self.metrics = self._fresh_metrics
         self._in_flight.clear()
         return Interval(
-            float(loss_sum), int(micro), int(bad_step) if bad_step >= 0 else None, float(bad_loss)
+            float(loss_sum),
+            int(micro),
+            int(bad_step) if bad_step >= 0 else None,
+            float(bad_loss),
+            {name: float(value) for name, value in metrics.items()},
         )
+
+    def evaluate(self, batches) -> dict[str, float]:
+        """The loss and metrics over `batches` (each this host's rows of a global batch, as
+        training reads them), from the current state: Keras' `test_step`, its metrics summed
+        over every batch, so each figure is over all of them, exactly as one device would
+        compute it."""
+        import jax
+
+        trainable, non_trainable, _ = self.state
+        metrics, logs = self._fresh_metrics, {}
+        for batch in batches:
+            logs, (_, _, metrics) = self._test_step(
+                (trainable, non_trainable, metrics), place(batch, batch_shardings(batch))
+            )
+        return {name: float(value) for name, value in jax.device_get(logs).items()}
 
     def first_bad(self) -> tuple[int, float] | None:
         """The first non-finite step and its loss so far (waits for the steps dispatched)."""
@@ -136,14 +170,15 @@ class CompiledStep:
         self._in_flight.clear()
         return (int(bad_step), float(bad_loss)) if bad_step >= 0 else None
 
-    def learning_rate(self) -> float:
-        """The optimizer's current learning rate, read from the state (a schedule's too)."""
+    def learning_rate(self, step: int) -> float:
+        """The learning rate optimizer step `step` (1-based) applied: its schedule's, or the
+        rate the state holds."""
         from keras import StatelessScope
 
         optimizer = self.model.optimizer
         mapping = list(zip(optimizer.variables, self.state[2], strict=True))
         with StatelessScope(state_mapping=mapping):
-            return float(optimizer.learning_rate)
+            return learning_rate_at(optimizer, (step - 1) * self.accumulate)
 
 
 FLOATS, COUNTS = 0, 1  # the carry's two arrays
@@ -156,6 +191,16 @@ def _initial_carry(micro_done: int):
         jnp.asarray([0.0, jnp.nan], jnp.float32),  # loss sum, first bad step's loss
         jnp.asarray([micro_done, -1], jnp.int32),  # micro-batches done, first bad step
     )
+
+
+def metric_results(model, metrics) -> dict:
+    """The model's metrics from their state `metrics`, but the loss, which the carry sums
+    (Keras' own loss tracker is one of them)."""
+    from keras import StatelessScope
+
+    with StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics, strict=True))):
+        results = model.get_metrics_result()
+    return {name: value for name, value in results.items() if name != "loss"}
 
 
 def _reset_sum(carry):
@@ -190,13 +235,12 @@ class Prefetcher:
     reads (held-out batches, row ids)."""
 
     def __init__(self, read_batch, first: int, lock: threading.Lock):
-        import jax
 
         self._read, self._lock = read_batch, lock
         with lock:
             sample = read_batch(first)
         # Computed here: Keras' distribution is thread-local, unset in the worker thread.
-        self._shardings = jax.tree.map(_data_sharding, sample)
+        self._shardings = batch_shardings(sample)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self._next = first
         self._pending = self._pool.submit(self._place, sample)
@@ -207,11 +251,7 @@ class Prefetcher:
         return self._place(batch)
 
     def _place(self, batch):
-        import jax
-
-        if jax.process_count() == 1:  # the same arrays, placed in one call
-            return jax.device_put(batch, self._shardings)
-        return jax.tree.map(jax.make_array_from_process_local_data, self._shardings, batch)
+        return place(batch, self._shardings)
 
     def peek(self):
         """The next micro-batch, without taking it."""
@@ -226,6 +266,22 @@ class Prefetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def place(batch, shardings):
+    """This host's rows of a batch, as its part of global arrays with these shardings."""
+    import jax
+
+    if jax.process_count() == 1:  # the same arrays, placed in one call
+        return jax.device_put(batch, shardings)
+    return jax.tree.map(jax.make_array_from_process_local_data, shardings, batch)
+
+
+def batch_shardings(batch):
+    """The shardings of a batch's arrays (in the thread that set Keras' distribution)."""
+    import jax
+
+    return jax.tree.map(_data_sharding, batch)
 
 
 def _data_sharding(array: np.ndarray):

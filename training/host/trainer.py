@@ -12,11 +12,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from training.build import build_on_grid, describe_variables
+from training.checkpoint.export import export_model
 from training.config import RunConfig, TrainerConfig
 from training.events import (
     BUILDING,
     COMPILING,
     EVALUATING,
+    EXPORTING,
     RESTORING,
     SAVING,
     TRAINING,
@@ -67,7 +69,7 @@ def train(
     checkpoints, start = None, 0
     if cfg.checkpoint.enabled:
         phase.set(RESTORING)
-        checkpoints = HostCheckpoints(cfg, model, dataset.spec.fingerprint)
+        checkpoints = HostCheckpoints(cfg, model, dataset.spec)
         start = checkpoints.restore_newest()
 
     process = jax.process_index()
@@ -97,8 +99,13 @@ def train(
     )
     if checkpoints:
         checkpoints.close()
+    exported = cfg.export.path()
+    if exported:
+        with phase.during(EXPORTING):
+            export_model(model, exported)
     return {
         "final_loss": final_loss,
+        "exported": exported,
         "resumed_from_step": start,
         "reached_step": reached,
         "variables": describe_variables(model.variables),
@@ -203,7 +210,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
     """The steps, dispatched without waiting. The phase's finished step moves only where
     the host has seen a step's result (the first step, a logged or saved step, the step
     `bound_in_flight` waited for): a host stuck in a collective does not look busy."""
-    model, k, phase = runner.model, trainer.accumulate, guard.phase
+    k, phase = trainer.accumulate, guard.phase
     interval_start = time.perf_counter()
     interval_steps = 0
     loss, done = None, start
@@ -238,7 +245,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
                 phase.finished(seen)
         if bad is not None:
             raise guard.non_finite(*bad)
-        if save or evaluate:
+        if save:
             runner.to_keras()
         # A step's log goes out before its checkpoint: a host lost while saving leaves the
         # driver a logged step past the newest checkpoint, which a restart rewinds and does
@@ -250,13 +257,13 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
                 seconds=time.perf_counter() - interval_start,
                 steps=interval_steps,
                 examples=examples_per_step * interval_steps,
-                learning_rate=runner.learning_rate(),
+                learning_rate=runner.learning_rate(done),
                 rows_fed=feed.rows_fed(step),
+                metrics=interval.metrics,
             )
             if evaluate:
                 with phase.during(EVALUATING):
-                    event = replace(event, eval_loss=feed.held_out_loss(model))
-                runner.from_keras()  # Keras' test step replaced the variables' arrays
+                    event = replace(event, held_out=runner.evaluate(feed.held_out_batches()))
             send(event)
         if save:
             with phase.during(SAVING):

@@ -6,6 +6,7 @@ What a model provides, the built-in ones and a user's own alike, is `training.co
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -57,24 +58,30 @@ def build_model(cfg: ModelConfig, data_spec: DataSpec):
 
 def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
     """The model with its variables' paths and shapes but no weights allocated."""
-    import keras
-    from keras.src.backend.common import global_state
     from keras.src.utils.naming import reset_uids
 
     # Fresh layer-name counters, so that a subclassed model's name (and so its variables'
     # paths) is the one a host's first build, in a fresh process, gives it.
     reset_uids()
-    # Keras would initialize the variables at the scope's exit, compiling and running every
-    # initializer (seconds for a large model): they stay uninitialized, and out of Keras'
-    # list of variables waiting for it, which the next scope's exit would initialize.
-    with keras.StatelessScope(initialize_variables=False):
-        model = build_model(cfg, data_spec)
-    waiting = global_state.get_global_attribute("uninitialized_variables", [])
-    built = {id(v) for v in model.variables}
-    global_state.set_global_attribute(
-        "uninitialized_variables", [v for v in waiting if id(v) not in built]
-    )
-    return model
+    with without_weights():
+        return build_model(cfg, data_spec)
+
+
+@contextmanager
+def without_weights():
+    """Variables created inside have their paths, shapes and dtypes but no values. Keras
+    would initialize them at the scope's exit, compiling and running every initializer
+    (seconds for a large model): they stay uninitialized, and out of Keras' list of
+    variables waiting for it, which the next scope's exit would initialize."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    waiting = list(global_state.get_global_attribute("uninitialized_variables", []))
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", waiting)
 
 
 def variable_info(variable) -> VariableInfo:
@@ -90,6 +97,17 @@ def symbolic_inputs(data_spec: DataSpec):
     if isinstance(data_spec.inputs, dict):
         return {name: tensor(spec, name) for name, spec in data_spec.inputs.items()}
     return tensor(data_spec.inputs)
+
+
+def symbolic_batch(data_spec: DataSpec) -> tuple:
+    """(x, y) or (x, y, sample_weight) as Keras tensors of any batch size."""
+    import keras
+
+    def tensor(spec: ArraySpec):
+        return keras.KerasTensor((None, *spec.shape), dtype=spec.dtype)
+
+    weights = (tensor(data_spec.sample_weight),) if data_spec.sample_weight else ()
+    return (symbolic_inputs(data_spec), tensor(data_spec.labels), *weights)
 
 
 def describe(inputs: ArraySpec | dict[str, ArraySpec]) -> str:

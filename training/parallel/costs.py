@@ -19,12 +19,12 @@ from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
-from training.optimizers import build_optimizer
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes
 from training.parallel.mesh import MeshShape
 from training.parallel.tensor_parallel import model_axis_collectives
+from training.recipe.optimizer import build_optimizer
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
     keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
     try:
         # The optimizer's own scalars have no deferred initializer: they are made for real.
-        optimizer = build_optimizer(cfg.optimizer, cfg.trainer.accumulate)
+        optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
         model = models.abstract_model(cfg.model, data_spec)
         with keras.StatelessScope():
             optimizer.build(model.trainable_variables)

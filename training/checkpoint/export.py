@@ -1,0 +1,67 @@
+"""The trained model out in Keras' own format: `model.keras` (architecture, every variable
+including non-trainable state such as BatchNormalization's moving statistics, the optimizer's
+state), which `keras.saving.load_model` opens in a plain one-device process.
+
+Every host calls `export_model` at the same point. Keras' saving reads each variable as one
+numpy array; a variable split over several hosts' devices is gathered for it there, one at a
+time (a collective every host joins, in the same order, since every host saves the same
+model), so a host holds at most its own shards plus one whole variable. Host 0 writes the
+file under a temporary name in the target directory and renames it into place: a crash
+mid-write leaves no half file. The other hosts' copies go to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+
+@contextmanager
+def gathering_split_variables():
+    """While inside, Keras' saving reads a variable split over hosts by gathering it."""
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    # Keras' saving converts each variable through its backend's `convert_to_numpy`, which
+    # reads only arrays this process holds whole; there is no hook for another reader.
+    from keras.src import backend
+
+    original = backend.convert_to_numpy
+
+    def gathered(value):
+        array = value.value if isinstance(value, keras.Variable) else value
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            if array.is_fully_replicated:
+                return np.asarray(array.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+        return original(value)
+
+    backend.convert_to_numpy = gathered
+    try:
+        yield
+    finally:
+        backend.convert_to_numpy = original
+
+
+def export_model(model, path: str) -> str:
+    """Write `model` to `path` (a `.keras` file) from host 0; every host must call it."""
+    import jax
+
+    writer = jax.process_index() == 0
+    directory = os.path.dirname(os.path.abspath(path))
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=directory if writer else None)
+    try:
+        staged = os.path.join(staging, os.path.basename(path))
+        with gathering_split_variables():
+            model.save(staged)
+        if writer:
+            os.replace(staged, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

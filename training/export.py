@@ -1,0 +1,80 @@
+"""`python -m training.export CHECKPOINT_DIR [OUT]`: a saved checkpoint as `model.keras`, the
+same file a run exports at its end (`training.checkpoint.export`), in one process on one
+device, with no cluster: a checkpoint written under another mesh, or a sweep's best trial.
+
+The checkpoint's record holds the run's config and its data's spec, so the model is built
+again without the data; a model from your own file needs that file importable, as in the
+run (run this from the directory the run was started in). OUT defaults to
+CHECKPOINT_DIR/model.keras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from rich.console import Console  # noqa: E402
+
+from training.build import build_compiled  # noqa: E402
+from training.checkpoint.export import export_model  # noqa: E402
+from training.checkpoint.inspection import newest_step, read_record  # noqa: E402
+from training.checkpoint.storage import CheckpointError, open_manager  # noqa: E402
+from training.config import (  # noqa: E402
+    EXPORT_FILE,
+    CheckpointConfig,
+    ConfigError,
+    run_config_from_record,
+)
+from training.contracts import data_spec_from_dict  # noqa: E402
+from training.host.checkpoints import HostCheckpoints  # noqa: E402
+
+
+def export_checkpoint(directory: str, out: str | None = None, step: int | None = None) -> str:
+    """Export checkpoint `step` (default: the newest) of `directory` to `out`; its path."""
+    checkpoint = CheckpointConfig(dir=directory)
+    directory = checkpoint.dir  # absolute, or a bucket URL
+    step = step if step is not None else newest_step(checkpoint)
+    if step is None:
+        raise CheckpointError(f"{directory} holds no checkpoint")
+    record = read_record(open_manager(checkpoint, read_only=True), directory, step)
+    if "run_config" not in record:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {directory} was written before checkpoints "
+            "recorded their run's config; export it by resuming the run (training.run with "
+            "its checkpoint.dir), which writes model.keras at its end"
+        )
+    cfg = replace(run_config_from_record(record["run_config"]), checkpoint=checkpoint)
+    data_spec = data_spec_from_dict(record["data_spec"])
+    model = build_compiled(cfg, data_spec)
+    checkpoints = HostCheckpoints(cfg, model, data_spec)
+    checkpoints.restore(step)
+    checkpoints.close()
+    return export_model(model, out or os.path.join(directory, EXPORT_FILE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.export",
+        description="Write a saved checkpoint as model.keras, as a run exports at its end.",
+    )
+    parser.add_argument("checkpoint_dir", help="a run's checkpoint.dir (a path or a bucket URL)")
+    parser.add_argument("out", nargs="?", help=f"the file (default: CHECKPOINT_DIR/{EXPORT_FILE})")
+    parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    args = parser.parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        path = export_checkpoint(args.checkpoint_dir, args.out, args.step)
+    except (CheckpointError, ConfigError) as error:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {error}")
+        return 2
+    console.print(f"model: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

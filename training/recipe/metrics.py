@@ -1,0 +1,111 @@
+"""`model.metrics` and `model.weighted_metrics`: Keras metrics compiled into the model, and
+the driver's checks that they, and the model's evaluation, can run on the data.
+
+`metrics` are unweighted and `weighted_metrics` weighted by the data's sample weights, as in
+Keras' own `compile` (without sample weights they are the same).
+"""
+
+from __future__ import annotations
+
+from training.config import ConfigError, ModelConfig
+from training.config.common import names_object
+from training.contracts import DataSpec
+from training.models import describe, symbolic_batch, symbolic_inputs, without_weights
+from training.models.locate import locate
+
+
+def build_metrics(key: str, names: list[str]) -> list:
+    """Keras metric identifiers as they are (Keras resolves `accuracy` against the loss and
+    labels at compile), and `module:function` names called for a metric or a function."""
+    import keras
+
+    built = []
+    for name in names:
+        if not names_object(name):
+            try:
+                keras.metrics.get(name)
+            except ValueError:
+                raise ConfigError(
+                    f"{key}: {name!r} is not a Keras metric identifier (e.g. accuracy, "
+                    "sparse_top_k_categorical_accuracy, mae) nor module:function"
+                ) from None
+            built.append(name)
+            continue
+        make = locate(key, name)
+        try:
+            built.append(make())
+        except Exception as error:
+            raise ConfigError(f"{key}: {name!r} raised {type(error).__name__}: {error}") from None
+    return built
+
+
+def check_metrics_fit(cfg: ModelConfig, model, data_spec: DataSpec, evaluates: bool) -> None:
+    """On the model compiled with its loss and metrics (built abstractly, no weights): each
+    metric against the model's output and the labels, then, where the run evaluates, Keras'
+    `test_step` traced with the data's shapes (a model overriding part of Keras' step with
+    another signature can train and still fail to evaluate)."""
+    with without_weights():  # the metrics' and the optimizer's variables too
+        try:
+            model._symbolic_build(data_batch=symbolic_batch(data_spec))
+        except Exception as error:
+            raise ConfigError(_metric_misfit(cfg, model, data_spec, error)) from None
+    if evaluates:
+        _check_test_step(model, data_spec)
+
+
+def _metric_misfit(cfg: ModelConfig, model, data_spec: DataSpec, error: Exception) -> str:
+    """Which metric does not fit, with the output and label shapes."""
+    output = model.compute_output_spec(symbolic_inputs(data_spec))
+    shapes = (
+        f"the model's output {list(getattr(output, 'shape', ['?'])[1:])} and the labels "
+        f"{data_spec.labels.describe()} (batch dimension left out)"
+    )
+    culprit = _first_misfit(cfg, model, data_spec)
+    what = f"{culprit[0]}: {culprit[1]!r}" if culprit else "the compiled metrics"
+    return f"{what} cannot apply to {shapes}: {type(error).__name__}: {_first_line(error)}"
+
+
+def _first_misfit(cfg: ModelConfig, model, data_spec: DataSpec) -> tuple[str, str] | None:
+    """The first (key, metric) that fails alone; the model is left compiled with it."""
+    for key, names in (
+        ("model.metrics", cfg.metrics),
+        ("model.weighted_metrics", cfg.weighted_metrics),
+    ):
+        for name in names:
+            model.compile(
+                optimizer=model.optimizer, loss=model.loss, metrics=build_metrics(key, [name])
+            )
+            try:
+                model._symbolic_build(data_batch=symbolic_batch(data_spec))
+            except Exception:
+                return key, name
+    return None
+
+
+def _check_test_step(model, data_spec: DataSpec) -> None:
+    import jax
+
+    def structs(variables):
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
+
+    state = (
+        structs(model.trainable_variables),
+        structs(model.non_trainable_variables),
+        structs(model.metrics_variables),
+    )
+    data = jax.tree.map(
+        lambda t: jax.ShapeDtypeStruct((2, *t.shape[1:]), t.dtype), symbolic_batch(data_spec)
+    )
+    try:
+        jax.eval_shape(model.test_step, state, data)
+    except Exception as error:
+        raise ConfigError(
+            f"the model cannot be evaluated on the held-out data ({describe(data_spec.inputs)}"
+            f", y {data_spec.labels.describe()}): Keras' test_step raised "
+            f"{type(error).__name__}: {_first_line(error)}. Set trainer.eval_batches=0 to train "
+            "without evaluating, or give the model a test_step of its own"
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
