@@ -88,6 +88,8 @@ class DataSpec:
     baseline_loss: float | None = None
     # Positions a loss averages over per example: the tokens of a sequence, else 1.
     positions_per_example: int = 1
+    # Examples (rows, windows) of the held-out split; None where a dataset cannot tell.
+    held_out_examples: int | None = None
     # Where batches give a third array, Keras' sample_weight: its per-example spec.
     sample_weight: ArraySpec | None = None
 

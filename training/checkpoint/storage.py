@@ -34,7 +34,7 @@ def open_manager(cfg: CheckpointConfig, read_only: bool):
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep,
+        preservation_policy=preservation_policy(cfg),
         create=not read_only,
         read_only=read_only,
         # A synchronous save: the step is on disk, committed, when `save` returns, so a
@@ -43,6 +43,23 @@ def open_manager(cfg: CheckpointConfig, read_only: bool):
     )
     handlers = {STATE: ocp.StandardCheckpointHandler(), RECORD: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(checkpoint_path(cfg.dir), options=options, item_handlers=handlers)
+
+
+def preservation_policy(cfg: CheckpointConfig):
+    """The newest `keep` checkpoints, and with `keep_best` the best by that held-out figure
+    (orbax's own policies; each checkpoint is saved with its figures as orbax's metrics)."""
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    newest = policies.LatestN(n=cfg.keep)
+    if not cfg.keep_best:
+        return newest
+    best = policies.BestN(
+        get_metric_fn=lambda metrics: metrics[cfg.keep_best],
+        reverse=cfg.best_mode == "min",  # BestN keeps the last n in sorted order
+        n=1,
+        keep_checkpoints_without_metrics=False,
+    )
+    return policies.AnyPreservationPolicy([newest, best])
 
 
 def unreadable(directory, step: int | None, error: Exception) -> str:

@@ -120,6 +120,11 @@ class RunConfig:
             "group resumes from the newest checkpoint",
         )
         self.optimizer.check_against_steps(self.trainer.steps)
+        require(
+            not self.checkpoint.keep_best or self.trainer.eval_batches != 0,
+            "checkpoint.keep_best ranks checkpoints by a held-out figure: trainer.eval_batches "
+            "is 0",
+        )
 
 
 SCHEMAS = {

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List
 
-from training.config.common import require
+from training.config.common import require, require_held_out_figure
 
 
 @dataclass
@@ -23,6 +23,10 @@ class CheckpointConfig:
     # Keys of the checkpoint's record (what a resume must match) that may differ from this
     # run's, e.g. [optimizer.learning_rate]; a key allows every key under it (`optimizer`).
     allow_changes: List[str] = field(default_factory=list)
+    # A held-out figure (eval_loss, eval_accuracy, ...): the checkpoint best by it is kept
+    # besides the newest `keep` (orbax's BestN policy); every checkpoint is then evaluated.
+    keep_best: str = ""
+    best_mode: str = "min"  # or max: whether a lower or a higher keep_best is better
 
     def __post_init__(self) -> None:
         require(self.interval >= 1, "checkpoint.interval must be >= 1")
@@ -35,6 +39,7 @@ class CheckpointConfig:
         )
         if self.dir and scheme is None:
             self.dir = os.path.abspath(os.path.expanduser(self.dir))
+        require_held_out_figure("checkpoint.keep_best", self.keep_best, self.best_mode)
         for key in self.allow_changes:
             require(
                 isinstance(key, str)

@@ -21,6 +21,19 @@ def names_object(value: str) -> bool:
     return bool(module and attribute) and all(part.isidentifier() for part in parts)
 
 
+MODES = ("min", "max")
+
+
+def require_held_out_figure(key: str, name: str, mode: str) -> None:
+    """A held-out figure's name (`eval_<loss or metric>`) and whether lower or higher is
+    better; which metrics a model has is checked against it once it is compiled."""
+    require(
+        not name or name.startswith("eval_"),
+        f"{key}={name!r}: name a held-out figure, eval_loss or eval_<metric> (eval_accuracy, say)",
+    )
+    require(mode in MODES, f"{key.rsplit('.', 1)[0]}'s mode {mode!r} is not min or max")
+
+
 def require_positive(node: object, group: str, keys: tuple[str, ...]) -> None:
     for key in keys:
         require(getattr(node, key) >= 1, f"{group}.{key} must be >= 1")

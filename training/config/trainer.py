@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from training.config.common import require, require_positive
+from training.config.common import require, require_held_out_figure, require_positive
 
 PRECISIONS = ("float32", "bfloat16")
+ALL_HELD_OUT = -1  # trainer.eval_batches: every held-out example
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop once a held-out figure has not improved by `min_delta` for `patience`
+    evaluations in a row (Keras' EarlyStopping, at this run's evaluations)."""
+
+    metric: str = ""  # eval_loss, eval_<metric>; empty: never stop early
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: str = "min"  # or max: whether a lower or a higher figure is better
+
+    def __post_init__(self) -> None:
+        require_held_out_figure("trainer.early_stopping.metric", self.metric, self.mode)
+        require(self.patience >= 1, "trainer.early_stopping.patience must be >= 1")
+        require(self.min_delta >= 0, "trainer.early_stopping.min_delta must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.metric)
 
 
 @dataclass
@@ -16,12 +37,13 @@ class TrainerConfig:
     seed: int = 0
     log_interval: int = 10
     eval_interval: int = 50  # held-out loss every this many steps, and after the last
-    eval_batches: int = 4
+    eval_batches: int = 4  # -1: the whole held-out set
     precision: str = "float32"  # or bfloat16: bf16 compute, float32 variables
     accumulate: int = 1  # micro-batches per optimizer step: global_batch / accumulate each
     # JAX's persistent compilation cache: "" for ~/.cache/training/jax ($XDG_CACHE_HOME),
     # "off" for none, else a directory every host can write (its own or shared)
     compile_cache_dir: str = ""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
     def __post_init__(self) -> None:
         require_positive(
@@ -29,7 +51,15 @@ class TrainerConfig:
             "trainer",
             ("steps", "global_batch", "log_interval", "eval_interval", "accumulate"),
         )
-        require(self.eval_batches >= 0, "trainer.eval_batches must be >= 0 (0: no evaluation)")
+        require(
+            self.eval_batches >= ALL_HELD_OUT,
+            "trainer.eval_batches must be >= 0 (0: no evaluation), or -1 for the whole held-out "
+            "set",
+        )
+        require(
+            not self.early_stopping.enabled or self.eval_batches != 0,
+            "trainer.early_stopping needs held-out evaluations: trainer.eval_batches is 0",
+        )
         require(
             self.precision in PRECISIONS,
             f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}",

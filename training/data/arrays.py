@@ -95,6 +95,7 @@ class ArrayData:
             labels=labels,
             sample_weight=self._weight_spec(train_arrays, labels),
             examples=self.splits["train"].count,
+            held_out_examples=self.splits["held_out"].count,
             fingerprint=self._fingerprint(files, keys),
             num_classes=num_classes,
             baseline_loss=baseline,

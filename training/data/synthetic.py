@@ -31,6 +31,7 @@ class SyntheticClassification:
             inputs=ArraySpec((cfg.features,), "float32"),
             labels=ArraySpec((), "int32"),
             examples=cfg.examples,
+            held_out_examples=cfg.held_out_examples,
             fingerprint=hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest(),
             num_classes=cfg.classes,
             baseline_loss=prior_cross_entropy(labels[train], labels[held_out], cfg.classes),

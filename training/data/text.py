@@ -71,6 +71,7 @@ class TextCorpus:
             inputs=ArraySpec((cfg.seq_len,), "int32"),
             labels=ArraySpec((cfg.seq_len,), "int32"),
             examples=len(order),
+            held_out_examples=len(self.starts["held_out"]),
             fingerprint=hashlib.sha256(train.tobytes() + held_out.tobytes()).hexdigest(),
             num_classes=VOCAB,
             baseline_loss=prior_cross_entropy(train, held_out, VOCAB),

@@ -98,6 +98,7 @@ class TokenData:
             inputs=sequence,
             labels=sequence,
             examples=self.splits["train"].windows,
+            held_out_examples=self.splits["held_out"].windows,
             fingerprint=self._fingerprint(files),
             num_classes=cfg.vocab_size or None,
             baseline_loss=None,

@@ -146,6 +146,16 @@ def print_summary(summary: dict, console: Console) -> None:
         if summary["baseline_eval_loss"] is not None:
             held_out += f" · baseline (label frequencies only) {summary['baseline_eval_loss']:.4f}"
         lines.append(held_out)
+    if (early := summary.get("early_stopping")) and early["stopped_at_step"] is not None:
+        lines.append(
+            f"stopped early at step {early['stopped_at_step']}: {early['metric']} did not "
+            f"improve on {early['best']:.4f} (step {early['best_step']})"
+        )
+    if summary.get("best_checkpoint"):
+        step, figure = summary["best_checkpoint"]
+        lines.append(
+            f"best checkpoint: step {step} ({summary['config']['checkpoint']['keep_best']} {figure:.4f})"
+        )
     if "checkpoint_step" in summary:
         lines.append(
             f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from training import models
 from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
+from training.config.trainer import ALL_HELD_OUT
 from training.contracts import ACTIVATION_RULE_SUFFIX, Dataset, DataSpec, LayoutRules, VariableInfo
 from training.data import build_dataset
 from training.parallel import auto_layout
 from training.parallel.mesh import MeshShape, resolve_mesh
 from training.recipe import compile_model
-from training.recipe.metrics import check_metrics_fit
+from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,13 @@ def preflight(cfg: RunConfig) -> Checked:
     model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
     compile_model(model, cfg)
-    check_metrics_fit(cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0)
+    figures = check_metrics_fit(
+        cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0
+    )
+    check_held_out_figure("checkpoint.keep_best", cfg.checkpoint.keep_best, figures)
+    check_held_out_figure(
+        "trainer.early_stopping.metric", cfg.trainer.early_stopping.metric, figures
+    )
     variables = [models.variable_info(v) for v in model.variables]
     layout = None
     if auto_layout.uses_auto_layout(cfg):
@@ -97,6 +104,11 @@ def check_enough_examples(trainer: TrainerConfig, data_spec: DataSpec) -> None:
         raise ConfigError(
             f"the training data has {data_spec.examples} examples, fewer than one global batch "
             f"(trainer.global_batch={trainer.global_batch})"
+        )
+    if trainer.eval_batches == ALL_HELD_OUT and not data_spec.held_out_examples:
+        raise ConfigError(
+            "trainer.eval_batches=-1 evaluates the whole held-out set, but this data does not "
+            "say how many held-out examples it has: give a number of batches"
         )
 
 

@@ -43,8 +43,11 @@ class Observed:
 
 
 def run_status(results: list[dict], steps: int) -> str:
+    """`completed` (trained to trainer.steps, or stopped early by trainer.early_stopping),
+    or `preempted` (stopped by a signal, checkpointed)."""
     reached = min(r["reached_step"] for r in results)
-    return "completed" if reached >= steps else "preempted"
+    stopped_early = (results[0]["early_stopping"] or {}).get("stopped_at_step")
+    return "completed" if reached >= steps or stopped_early == reached else "preempted"
 
 
 def build_summary(
@@ -107,6 +110,9 @@ def build_summary(
         built.update(_layout_summary(results[0]))
         # The trained model in Keras' format (training.checkpoint.export), where written.
         built["exported_model"] = results[0]["exported"]
+        built["early_stopping"] = results[0]["early_stopping"]
+        # This run's best checkpoint by checkpoint.keep_best, [step, figure], kept by orbax.
+        built["best_checkpoint"] = results[0]["best_checkpoint"]
     if error is not None:
         built["error"] = f"{type(error).__name__}: {error}"
         built["traceback"] = traceback.format_exception(error)

@@ -39,6 +39,7 @@ from training.checkpoint.views import (
 )
 from training.config import RunConfig, config_record
 from training.contracts import DataSpec
+from training.recipe.early_stopping import better
 
 # Optimizer variables the config owns: a resume takes them from this run's config (an
 # allowed learning-rate change must take effect), not from the checkpoint.
@@ -122,6 +123,7 @@ class HostCheckpoints:
         self.model_source = {"run_config": config_record(cfg), "data_spec": asdict(data_spec)}
         self.variables = keyed_variables(model)
         self.saved_step: int | None = agree_on_directory(self.cfg.dir)
+        self.best: tuple[int, float] | None = None  # (step, keep_best) of this run's best
         self.manager = open_manager(self.cfg, read_only=False)
 
     def _shapes(self, group: str) -> dict[str, list[int]]:
@@ -191,7 +193,9 @@ class HostCheckpoints:
                 variable.assign(restored[group][key])
         return step
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, held_out: dict[str, float] | None = None) -> None:
+        """Save this host's shards at `step`, with the held-out figures evaluated there
+        (by name without `eval_`), which rank checkpoints for `checkpoint.keep_best`."""
         import orbax.checkpoint as ocp
 
         state = {
@@ -207,12 +211,18 @@ class HostCheckpoints:
             "optimizer_variables": self._shapes("optimizer"),
             **self.model_source,
         }
+        figures = {f"eval_{name}": value for name, value in (held_out or {}).items()}
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 **{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)}
             ),
+            metrics=figures or None,
         )
+        if self.cfg.keep_best and better(
+            figures[self.cfg.keep_best], self.best and self.best[1], self.cfg.best_mode
+        ):
+            self.best = (step, figures[self.cfg.keep_best])
         self.manager.wait_until_finished()
         self.saved_step = step
 

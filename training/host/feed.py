@@ -4,11 +4,12 @@ distinct examples each step trains on."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.config import TrainerConfig
+from training.config.trainer import ALL_HELD_OUT, TrainerConfig
 from training.contracts import Dataset
 from training.host.loop import Prefetcher
 from training.parallel.mesh import host_batch_rows
@@ -42,15 +43,25 @@ class HostFeed:
             fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
         return np.concatenate(fed).tolist()
 
-    def held_out_batches(self) -> list[tuple]:
-        """This host's rows of the first `eval_batches` global batches of held-out data, in
-        micro-batches like training."""
-        size, batches = self.trainer.micro_batch, self.trainer.eval_batches
-        with self.lock:
-            return [
-                self.dataset.batch("held_out", i, size, self.rows)
-                for i in range(batches * self.trainer.accumulate)
-            ]
+    def held_out(self) -> Iterator[tuple[tuple, bool]]:
+        """This host's rows of each held-out micro-batch, read as they are needed, with
+        whether every host feeds it whole: the first `eval_batches` global batches' (fed in
+        micro-batches like training), or with `eval_batches=-1` every held-out example once,
+        the rows left after the last full micro-batch read whole by every host (their count
+        need not split over the hosts)."""
+        size, trainer = self.trainer.micro_batch, self.trainer
+        if trainer.eval_batches != ALL_HELD_OUT:
+            count, remainder = trainer.eval_batches * trainer.accumulate, 0
+        else:
+            count, remainder = divmod(self.dataset.spec.held_out_examples, size)
+        for index in range(count):
+            with self.lock:
+                batch = self.dataset.batch("held_out", index, size, self.rows)
+            yield batch, False
+        if remainder:
+            with self.lock:
+                batch = self.dataset.batch("held_out", count, size, slice(0, remainder))
+            yield batch, True
 
 
 def distinct_examples(grid: np.ndarray, global_batch: int, process: int) -> float:

@@ -147,18 +147,21 @@ class CompiledStep:
             {name: float(value) for name, value in metrics.items()},
         )
 
-    def evaluate(self, batches) -> dict[str, float]:
-        """The loss and metrics over `batches` (each this host's rows of a global batch, as
-        training reads them), from the current state: Keras' `test_step`, its metrics summed
-        over every batch, so each figure is over all of them, exactly as one device would
-        compute it."""
+    def evaluate(self, held_out) -> dict[str, float]:
+        """The loss and metrics over the held-out batches, from the current state: Keras'
+        `test_step`, its metrics summed over every batch, so each figure is over all of
+        them, as one device evaluating the same rows computes it. `held_out` yields
+        (batch, whole): this host's rows of a global batch, or one every host feeds whole."""
         import jax
 
         trainable, non_trainable, _ = self.state
         metrics, logs = self._fresh_metrics, {}
-        for batch in batches:
+        for batch, whole in held_out:
+            shardings = batch_shardings(batch)
+            if whole and self._replicated is not None:
+                shardings = jax.tree.map(lambda _: self._replicated, batch)
             logs, (_, _, metrics) = self._test_step(
-                (trainable, non_trainable, metrics), place(batch, batch_shardings(batch))
+                (trainable, non_trainable, metrics), place(batch, shardings)
             )
         return {name: float(value) for name, value in jax.device_get(logs).items()}
 

@@ -38,6 +38,7 @@ from training.parallel.mesh import (
     host_batch_rows,
     model_groups_within_hosts,
 )
+from training.recipe.early_stopping import EarlyStopping
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -93,6 +94,7 @@ def train(
         phase,
         # Past the driver's own bound: the driver, not a timed-out barrier, names a stuck host.
         2 * cfg.fault.step_timeout_s,
+        EarlyStopping(cfg.trainer.early_stopping) if cfg.trainer.early_stopping.enabled else None,
     )
     final_loss, reached = _train_loop(
         cfg.trainer, model, feed, examples_per_step, send, start, guard
@@ -106,6 +108,8 @@ def train(
     return {
         "final_loss": final_loss,
         "exported": exported,
+        "early_stopping": guard.early_stopping.summary() if guard.early_stopping else None,
+        "best_checkpoint": checkpoints.best if checkpoints else None,
         "resumed_from_step": start,
         "reached_step": reached,
         "variables": describe_variables(model.variables),
@@ -131,6 +135,12 @@ class StepGuard:
     stop_requested: Callable[[], bool]
     phase: Phase = field(default_factory=Phase)
     timeout_s: float = 300.0
+    early_stopping: EarlyStopping | None = None
+
+    @property
+    def evaluates_saves(self) -> bool:
+        """Each checkpoint is evaluated where checkpoints are ranked by a held-out figure."""
+        return self.checkpoints is not None and bool(self.checkpoints.cfg.keep_best)
 
     def saves(self, step: int, stop: bool) -> bool:
         return self.checkpoints is not None and (
@@ -228,9 +238,11 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
         logged = done % trainer.log_interval == 0 or last
         stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
         last = last or stop
-        evaluate = trainer.eval_batches > 0 and (done % trainer.eval_interval == 0 or last)
-        logged = logged or last or evaluate
         save = guard.saves(done, stop)
+        evaluate = trainer.eval_batches != 0 and (
+            done % trainer.eval_interval == 0 or last or (save and guard.evaluates_saves)
+        )
+        logged = logged or last or evaluate
         if logged:
             interval = runner.read()
             phase.finished(done)
@@ -245,8 +257,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
                 phase.finished(seen)
         if bad is not None:
             raise guard.non_finite(*bad)
-        if save:
-            runner.to_keras()
+        held_out = None
         # A step's log goes out before its checkpoint: a host lost while saving leaves the
         # driver a logged step past the newest checkpoint, which a restart rewinds and does
         # again, where the other order could lose the step's log for good.
@@ -263,11 +274,16 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
             )
             if evaluate:
                 with phase.during(EVALUATING):
-                    event = replace(event, held_out=runner.evaluate(feed.held_out_batches()))
+                    held_out = runner.evaluate(feed.held_out())
+                event = replace(event, held_out=held_out)
+                if guard.early_stopping and guard.early_stopping.should_stop(done, held_out):
+                    stop = True
+                    save = guard.saves(done, stop)
             send(event)
         if save:
+            runner.to_keras()
             with phase.during(SAVING):
-                guard.checkpoints.save(done)
+                guard.checkpoints.save(done, held_out)
         if logged:
             # Evaluation and saving stay out of the next interval's step times.
             interval_start = time.perf_counter()

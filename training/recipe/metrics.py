@@ -39,18 +39,18 @@ def build_metrics(key: str, names: list[str]) -> list:
     return built
 
 
-def check_metrics_fit(cfg: ModelConfig, model, data_spec: DataSpec, evaluates: bool) -> None:
+def check_metrics_fit(cfg: ModelConfig, model, data_spec: DataSpec, evaluates: bool) -> list[str]:
     """On the model compiled with its loss and metrics (built abstractly, no weights): each
     metric against the model's output and the labels, then, where the run evaluates, Keras'
     `test_step` traced with the data's shapes (a model overriding part of Keras' step with
-    another signature can train and still fail to evaluate)."""
+    another signature can train and still fail to evaluate). Returns the held-out figures'
+    names (`eval_loss`, `eval_accuracy`, ...), none where the run does not evaluate."""
     with without_weights():  # the metrics' and the optimizer's variables too
         try:
             model._symbolic_build(data_batch=symbolic_batch(data_spec))
         except Exception as error:
             raise ConfigError(_metric_misfit(cfg, model, data_spec, error)) from None
-    if evaluates:
-        _check_test_step(model, data_spec)
+    return [f"eval_{name}" for name in _check_test_step(model, data_spec)] if evaluates else []
 
 
 def _metric_misfit(cfg: ModelConfig, model, data_spec: DataSpec, error: Exception) -> str:
@@ -82,7 +82,7 @@ def _first_misfit(cfg: ModelConfig, model, data_spec: DataSpec) -> tuple[str, st
     return None
 
 
-def _check_test_step(model, data_spec: DataSpec) -> None:
+def _check_test_step(model, data_spec: DataSpec) -> list[str]:
     import jax
 
     def structs(variables):
@@ -97,7 +97,7 @@ def _check_test_step(model, data_spec: DataSpec) -> None:
         lambda t: jax.ShapeDtypeStruct((2, *t.shape[1:]), t.dtype), symbolic_batch(data_spec)
     )
     try:
-        jax.eval_shape(model.test_step, state, data)
+        logs, _ = jax.eval_shape(model.test_step, state, data)
     except Exception as error:
         raise ConfigError(
             f"the model cannot be evaluated on the held-out data ({describe(data_spec.inputs)}"
@@ -105,6 +105,16 @@ def _check_test_step(model, data_spec: DataSpec) -> None:
             f"{type(error).__name__}: {_first_line(error)}. Set trainer.eval_batches=0 to train "
             "without evaluating, or give the model a test_step of its own"
         ) from None
+    return list(logs)
+
+
+def check_held_out_figure(key: str, name: str, figures: list[str]) -> None:
+    """A setting that names a held-out figure names one the run evaluates."""
+    if name and name not in figures:
+        raise ConfigError(
+            f"{key}={name!r} is not a held-out figure of this run; it has "
+            f"{', '.join(figures) or 'none (trainer.eval_batches=0)'}"
+        )
 
 
 def _first_line(error: Exception) -> str:
