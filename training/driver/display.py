@@ -153,9 +153,8 @@ def print_summary(summary: dict, console: Console) -> None:
         )
     if summary.get("best_checkpoint"):
         step, figure = summary["best_checkpoint"]
-        lines.append(
-            f"best checkpoint: step {step} ({summary['config']['checkpoint']['keep_best']} {figure:.4f})"
-        )
+        by = summary["config"]["checkpoint"]["keep_best"]
+        lines.append(f"best checkpoint: step {step} ({by} {figure:.4f})")
     if "checkpoint_step" in summary:
         lines.append(
             f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "
