@@ -1,9 +1,10 @@
 """`python -m training.report DIR`: a run's or a sweep's curves in a PNG, and a short table.
 
 DIR is a run directory (it holds metrics.jsonl or summary.json) or a directory with runs
-below it, such as a Hydra multirun sweep. The PNG shows the loss (and the held-out loss,
-where rows have it) against step and each host's step time, every run of a sweep in its
-own colour; the table gives each run's status, final loss and throughput.
+below it, such as a Hydra multirun sweep. The PNG shows the loss and each compiled metric
+(with their held-out figures, where rows have them), the learning rate and each host's step
+time against step, every run of a sweep in its own colour; the table gives each run's
+status, final loss and metrics, held-out figures and throughput.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 from omegaconf import OmegaConf
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from training.driver.metrics import metric_names
 from training.driver.sweep import format_number, varying_overrides
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
-HELD_OUT = "eval_loss"
 HOST_LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -106,46 +107,69 @@ def _overrides(run_dir: Path) -> list[str]:
 
 
 def plot(runs: list[Run], title: str) -> Figure:
-    """Loss against step on the left, each host's step time on the right."""
-    figure = Figure(figsize=(12, 4.5), layout="constrained")
-    loss_axes, time_axes = figure.subplots(1, 2)
+    """One panel each: the loss (with the held-out loss), each compiled metric (with its
+    held-out figure), the learning rate, and each host's step time."""
+    metrics = sorted({name for run in runs for name in metric_names(run.records)})
+    panels = ["loss", *metrics, "learning rate", "step time per host"]
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    figure = Figure(figsize=(5 * columns, 4 * rows), layout="constrained")
+    axes = dict(zip(panels, figure.subplots(rows, columns, squeeze=False).flat, strict=False))
     several = len(runs) > 1
     for index, run in enumerate(runs):
         prefix = f"{run.label}: " if several else ""
         color = f"C{index % 10}"
-        loss_axes.plot(*run.series("loss"), color=color, label=f"{prefix}loss")
-        if run.last(HELD_OUT) is not None:
-            loss_axes.plot(
-                *run.series(HELD_OUT), "o--", color=color, label=f"{prefix}held-out loss"
-            )
+        for name in ["loss", *metrics]:
+            _plot_figure(axes[name], run, name, prefix, color)
+        axes["learning rate"].plot(
+            *run.series("learning_rate"), color=color, label=f"{prefix}learning rate"
+        )
         steps, per_host = run.series("per_host_step_seconds")
         for host, seconds in enumerate(zip(*per_host, strict=True)):
-            time_axes.plot(
+            axes["step time per host"].plot(
                 steps,
                 [s * 1000 for s in seconds],
                 HOST_LINESTYLES[host % len(HOST_LINESTYLES)] if several else "-",
                 color=color if several else f"C{host % 10}",
                 label=f"{prefix}host {host}",
             )
-    loss_axes.set(xlabel="step", ylabel="loss", title="loss")
-    # The first logged interval also pays for compilation: a log scale keeps both visible.
-    time_axes.set(xlabel="step", ylabel="ms per step", yscale="log", title="step time per host")
-    for axes in (loss_axes, time_axes):
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.grid(alpha=0.3)
-        if axes.lines:
-            axes.legend(fontsize="small")
+    for name, panel in axes.items():
+        panel.set(xlabel="step", ylabel=name, title=name)
+    # The first logged interval also pays for compilation: a log scale keeps both visible,
+    # its ticks in plain milliseconds.
+    time_axes = axes["step time per host"]
+    time_axes.set(ylabel="ms per step", yscale="log")
+    for axis in (time_axes.yaxis.set_major_formatter, time_axes.yaxis.set_minor_formatter):
+        axis(FuncFormatter(lambda value, _: f"{value:g}"))
+    for panel in figure.axes:
+        if panel not in axes.values():
+            panel.set_visible(False)  # an empty cell of the grid
+        panel.xaxis.set_major_locator(MaxNLocator(integer=True))
+        panel.grid(alpha=0.3)
+        if panel.lines:
+            panel.legend(fontsize="small")
     figure.suptitle(title)
     return figure
+
+
+def _plot_figure(axes, run: Run, name: str, prefix: str, color: str) -> None:
+    """A training figure (loss, a metric) against step, and its held-out figure."""
+    if run.last(name) is not None:
+        axes.plot(*run.series(name), color=color, label=f"{prefix}{name}")
+    if run.last(f"eval_{name}") is not None:
+        axes.plot(*run.series(f"eval_{name}"), "o--", color=color, label=f"{prefix}held-out {name}")
 
 
 WIDE_OUTPUT = 1000  # columns
 
 
 def table(runs: list[Run]) -> Table:
-    held_out = any(run.last(HELD_OUT) is not None for run in runs)
-    columns = ["run", "status", "steps", "final loss"]
-    columns += ["held-out loss"] if held_out else []
+    """Each run's status and steps, its final loss and metrics, their held-out figures where
+    there are any, and its throughput."""
+    names = ["loss", *sorted({n for run in runs for n in metric_names(run.records)})]
+    held_out = [n for n in names if any(run.last(f"eval_{n}") is not None for run in runs)]
+    columns = ["run", "status", "steps", *(f"final {n}" for n in names)]
+    columns += [f"held-out {n}" for n in held_out]
     columns += ["examples/s", "wall s"]
     grid = Table(*columns, box=box.SIMPLE)
     for column in grid.columns[2:]:
@@ -155,7 +179,8 @@ def table(runs: list[Run]) -> Table:
         steps = f"{run.last('step') or 0}/{summary.get('steps', '?')}"
         # Text, not markup: overrides such as `rules={a:[null,model]}` hold brackets.
         row = [Text(run.label), run.status, steps, format_number(run.final_loss, ".4f")]
-        row += [format_number(run.last(HELD_OUT), ".4f")] if held_out else []
+        row += [format_number(run.last(name), ".4f") for name in names[1:]]
+        row += [format_number(run.last(f"eval_{name}"), ".4f") for name in held_out]
         row += [
             format_number(summary.get("examples_per_second"), ",.0f"),
             format_number(summary.get("wall_seconds"), ".1f"),

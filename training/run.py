@@ -81,10 +81,12 @@ def main(cfg: DictConfig) -> float:
     output_dir = Path(hydra_config.runtime.output_dir)
     if hydra_config.mode == RunMode.MULTIRUN:
         # The sweep's launcher records a failed trial's error and goes on with the others.
-        return objective(run_training(cfg, output_dir))
+        run = to_run_config(cfg)
+        return objective(run_training(run, output_dir), run.sweep)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        summary = run_training(cfg, output_dir)
+        run = to_run_config(cfg)
+        summary = run_training(run, output_dir)
     except (ConfigError, HostFailure) as error:
         errors.print(f"error: {error}")
         sys.exit(2)
@@ -96,7 +98,7 @@ def main(cfg: DictConfig) -> float:
             f"stopped by {summary['stopped_by']} after step {summary['checkpoint_step']}, "
             f"checkpointed in {summary['checkpoint_dir']}: the same command resumes from it"
         )
-    return objective(summary)
+    return objective(summary, run.sweep)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ class HostGroupLauncher(Launcher):
             f"Launching {len(trials)} trials, at most {settings.max_concurrent} at once, "
             f"into {sweep_dir}"
         )
+        self.settings = settings
         returns = self._run(trials, settings.max_concurrent, sweep_dir)
         self._report(trials, returns, sweep_dir)
         return [returns[trial.number] for trial in trials]
@@ -240,7 +241,7 @@ class HostGroupLauncher(Launcher):
             # Stop the running trials; their host actors die with their processes.
             for ref in running:
                 ray.cancel(ref, force=True)
-            json_path, _ = write_results(sweep_dir, list(self.rows.values()))
+            json_path, _ = write_results(sweep_dir, list(self.rows.values()), self.settings)
             raise SweepFailed(
                 f"interrupted: stopped trials {sorted(t.number for t in running.values())}; "
                 f"those that ended are in {json_path}"
@@ -261,7 +262,7 @@ class HostGroupLauncher(Launcher):
         summary = read_summary(trial.output_dir, trial.submitted_at)
         row = trial_row(trial.number, trial.overrides, trial.output_dir, summary, error)
         self.rows[trial.number] = row
-        write_results(sweep_dir, list(self.rows.values()))
+        write_results(sweep_dir, list(self.rows.values()), self.settings)
         log.info(f"#{trial.number} {row['status']}" + (f": {error}" if error else ""))
         return job_return
 
@@ -271,8 +272,8 @@ class HostGroupLauncher(Launcher):
         if not console.is_terminal:
             console.width = TABLE_WIDTH
         time.sleep(OUTPUT_SETTLE_SECONDS)
-        print_results(list(self.rows.values()), console)
-        json_path, csv_path = write_results(sweep_dir, list(self.rows.values()))
+        print_results(list(self.rows.values()), self.settings, console)
+        json_path, csv_path = write_results(sweep_dir, list(self.rows.values()), self.settings)
         console.print(f"sweep summary: {json_path} ({csv_path.name} beside it)", soft_wrap=True)
         failed = [t for t in trials if returns[t.number].status != JobStatus.COMPLETED]
         for trial in failed:

@@ -5,38 +5,54 @@ import json
 import math
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from tests.test_cli import cli
-from training.driver.sweep import rank, ranked_by, trial_row, write_results
+from training.config import SweepConfig
+from training.driver.sweep import objective, rank, ranked_by, trial_row, write_results
 
 SMALL = ["trainer.steps=4", "trainer.log_interval=2", "trainer.global_batch=16"]
 
 
-def row(trial: int, loss: float | None, error: str | None = None, eval_loss=None) -> dict:
-    summary = {} if error else {"final_loss": loss, "eval_loss": eval_loss}
+DEFAULT = SweepConfig()
+
+
+def row(trial: int, loss: float | None, error: str | None = None, eval_loss=None, **more) -> dict:
+    summary = {} if error else {"final_loss": loss, "eval_loss": eval_loss, **more}
     return trial_row(trial, [f"x={trial}"], Path(f"/sweep/{trial}"), summary, error)
 
 
 def test_rank_puts_the_lowest_loss_first_then_nan_then_failures():
     rows = [row(0, 2.0), row(1, None, "ConfigError: bad mesh"), row(2, math.nan), row(3, 1.0)]
-    assert [r["trial"] for r in rank(rows)] == [3, 0, 2, 1]
-    assert ranked_by(rows) == "final_loss"
+    assert [r["trial"] for r in rank(rows, DEFAULT)] == [3, 0, 2, 1]
+    assert ranked_by(rows, DEFAULT) == "final_loss"
 
 
 def test_rank_uses_the_held_out_loss_when_every_completed_trial_has_one():
     rows = [row(0, 1.0, eval_loss=3.0), row(1, 2.0, eval_loss=2.5), row(2, None, "HostFailure")]
-    assert ranked_by(rows) == "eval_loss"
-    assert [r["trial"] for r in rank(rows)] == [1, 0, 2]
-    assert ranked_by([row(0, 1.0, eval_loss=3.0), row(1, 2.0)]) == "final_loss"
+    assert ranked_by(rows, DEFAULT) == "eval_loss"
+    assert [r["trial"] for r in rank(rows, DEFAULT)] == [1, 0, 2]
+    assert ranked_by([row(0, 1.0, eval_loss=3.0), row(1, 2.0)], DEFAULT) == "final_loss"
+
+
+def test_a_sweep_ranks_by_any_figure_it_is_told_highest_first_for_max():
+    def accuracy(trial: int, value: float | None) -> dict:
+        return row(trial, 1.0, eval_loss=1.0, metric_names=["accuracy"], eval_accuracy=value)
+
+    rows = [accuracy(0, 0.7), accuracy(1, 0.9), accuracy(2, None), accuracy(3, 0.8)]
+    by_accuracy = SweepConfig(objective="eval_accuracy", mode="max")
+    assert [r["trial"] for r in rank(rows, by_accuracy)] == [1, 3, 0, 2]
+    assert [r["trial"] for r in rank(rows, replace(by_accuracy, mode="min"))] == [0, 3, 1, 2]
+    assert objective({"eval_accuracy": 0.9, "eval_loss": 0.1}, by_accuracy) == 0.9
 
 
 def test_results_are_written_best_first_as_json_and_csv(tmp_path):
     rows = [row(0, 2.0), row(1, None, "ConfigError: bad mesh\nsecond line"), row(2, 1.0)]
-    json_path, csv_path = write_results(tmp_path, rows)
+    json_path, csv_path = write_results(tmp_path, rows, DEFAULT)
     written = json.loads(json_path.read_text())
     assert (written["trials"], written["failed"], written["ranked_by"]) == (3, 1, "final_loss")
     assert [r["trial"] for r in written["rows"]] == [2, 0, 1]

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from training.config import SweepConfig
 from training.driver.metrics import write_json
 
 COLUMNS = (
@@ -29,8 +30,11 @@ COLUMNS = (
 )
 
 
-def objective(summary: dict) -> float:
-    """The loss a sweep minimises: held-out where the run measured one, else training."""
+def objective(summary: dict, sweep: SweepConfig) -> float:
+    """What a sweep ranks by (`sweep.objective`): by default the held-out loss where the
+    run measured one, else the training loss."""
+    if sweep.objective:
+        return summary.get(sweep.objective)
     held_out = summary.get("eval_loss")
     return held_out if held_out is not None else summary["final_loss"]
 
@@ -56,43 +60,66 @@ def trial_row(
         "finished_at": summary.get("finished_at"),
         "output_dir": str(output_dir),
         "error": error,
+        # Each compiled metric's final and held-out figure (final_accuracy, eval_accuracy).
+        **_metric_figures(summary),
     }
 
 
-def ranked_by(rows: list[dict]) -> str:
-    """Rank by held-out loss when every completed trial has one, else by training loss."""
+def _metric_figures(summary: dict) -> dict:
+    names = summary.get("metric_names", [])
+    return {
+        key: summary.get(key)
+        for name in names
+        for key in (f"final_{name}", f"eval_{name}")
+        if summary.get(key) is not None
+    }
+
+
+def ranked_by(rows: list[dict], sweep: SweepConfig) -> str:
+    """`sweep.objective`; by default the held-out loss when every completed trial has one,
+    else the training loss."""
+    if sweep.objective:
+        return sweep.objective
     completed = [r for r in rows if r["status"] == "completed"]
     has_eval = completed and all(r["eval_loss"] is not None for r in completed)
     return "eval_loss" if has_eval else "final_loss"
 
 
-def rank(rows: list[dict]) -> list[dict]:
-    """Best first: completed trials by loss (a NaN loss after every number), then failures."""
-    key = ranked_by(rows)
+def rank(rows: list[dict], sweep: SweepConfig) -> list[dict]:
+    """Best first: completed trials by the objective (a missing or NaN figure after every
+    number), then failures."""
+    key, sign = ranked_by(rows, sweep), 1 if sweep.mode == "min" else -1
 
     def order(row: dict) -> tuple:
-        loss = row[key]
+        figure = row.get(key)
         if row["status"] != "completed":
             return (2, row["trial"])
-        if loss is None or math.isnan(loss):
+        if figure is None or math.isnan(figure):
             return (1, row["trial"])
-        return (0, loss, row["trial"])
+        return (0, sign * figure, row["trial"])
 
     return sorted(rows, key=order)
 
 
-def write_results(sweep_dir: Path, rows: list[dict]) -> tuple[Path, Path]:
+def write_results(sweep_dir: Path, rows: list[dict], sweep: SweepConfig) -> tuple[Path, Path]:
     """sweep_summary.json and sweep_summary.csv, rows best first; returns both paths."""
-    ranked = rank(rows)
+    ranked = rank(rows, sweep)
     json_path, csv_path = sweep_dir / "sweep_summary.json", sweep_dir / "sweep_summary.csv"
     failed = sum(r["status"] == "failed" for r in rows)
     write_json(
         json_path,
-        {"ranked_by": ranked_by(rows), "trials": len(rows), "failed": failed, "rows": ranked},
+        {
+            "ranked_by": ranked_by(rows, sweep),
+            "mode": sweep.mode,
+            "trials": len(rows),
+            "failed": failed,
+            "rows": ranked,
+        },
     )
     partial = csv_path.with_suffix(".csv.partial")
     with partial.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        figures = sorted({key for row in rows for key in row} - set(COLUMNS))
+        writer = csv.DictWriter(file, fieldnames=[*COLUMNS, *figures])
         writer.writeheader()
         for row in ranked:
             writer.writerow({**row, "overrides": " ".join(row["overrides"])})
@@ -109,16 +136,18 @@ def read_summary(output_dir: Path, not_before: float) -> dict:
     return json.loads(path.read_text())
 
 
-def print_results(rows: list[dict], console: Console) -> None:
-    ranked = rank(rows)
-    key = ranked_by(rows)
+def print_results(rows: list[dict], sweep: SweepConfig, console: Console) -> None:
+    ranked = rank(rows, sweep)
+    key = ranked_by(rows, sweep)
     failed = sum(r["status"] == "failed" for r in rows)
     table = Table(
-        title=f"sweep: {len(rows)} trials, {failed} failed; best first by {key}",
+        title=f"sweep: {len(rows)} trials, {failed} failed; best first by {key} ({sweep.mode})",
         title_justify="left",
     )
     show_eval = any(r["eval_loss"] is not None for r in rows)
+    figures = sorted({k for r in rows for k in r} - set(COLUMNS))
     columns = ["#", "overrides", "status", "final loss"] + (["eval loss"] if show_eval else [])
+    columns += [figure.replace("_", " ") for figure in figures]
     columns += ["examples/s", "wall s", "queued s"] + (["error"] if failed else [])
     for column in columns:
         numeric = column not in ("overrides", "status", "error")
@@ -129,6 +158,7 @@ def print_results(rows: list[dict], console: Console) -> None:
         cells.append(format_number(row["final_loss"], ".4f"))
         if show_eval:
             cells.append(format_number(row["eval_loss"], ".4f"))
+        cells += [format_number(row.get(figure), ".4f") for figure in figures]
         cells += [
             format_number(row["examples_per_second"], ",.0f"),
             format_number(row["wall_seconds"], ".1f"),
