@@ -219,10 +219,11 @@ class HostCheckpoints:
             ),
             metrics=figures or None,
         )
-        if self.cfg.keep_best and better(
-            figures[self.cfg.keep_best], self.best and self.best[1], self.cfg.best_mode
-        ):
-            self.best = (step, figures[self.cfg.keep_best])
+        if self.cfg.keep_best:
+            figure = figures[self.cfg.keep_best]
+            # Of equal figures the newer, as orbax's BestN keeps.
+            if self.best is None or not better(self.best[1], figure, self.cfg.best_mode):
+                self.best = (step, figure)
         self.manager.wait_until_finished()
         self.saved_step = step
 

@@ -1,0 +1,241 @@
+"""The training recipe end to end on 2 hosts × 4 devices: a classifier (BatchNormalization,
+Dropout, logits) from a file outside the package, AdamW with a cosine schedule, clipping and
+accuracy; sample weights; the model exported in Keras' format and loaded in a plain
+one-device process; resuming the schedule; training.export; early stopping and the best
+checkpoint. Each figure is compared with an independent reference: Keras' own schedule and
+EarlyStopping, a one-device Keras run or evaluation on the same rows."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.make_data import make_images
+from tests.conftest import run_config
+from tests.test_cli import run_module
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+REFERENCE = Path(__file__).resolve().parent / "single_device_reference.py"
+BATCH, STEPS = 32, 6
+HELD_OUT = 100  # 3 whole batches of 32 and 4 rows more: eval_batches=-1 must count them once
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The example model file and image data (with sample weights, half of them 0)."""
+    directory = tmp_path_factory.mktemp("recipe")
+    shutil.copy(EXAMPLES / "my_models.py", directory / "recipe_models.py")
+    train, held = make_images(rows=512, seed=1), make_images(rows=HELD_OUT, seed=2)
+    np.savez(directory / "images.npz", **train)
+    np.savez(directory / "held.npz", **held)
+    weights = (np.arange(512) % 2).astype(np.float32)  # every other row weighs nothing
+    np.savez(directory / "weighted.npz", **train, sample_weight=weights)
+    # The same rows with the zero-weighted rows' labels changed: nothing may change.
+    scrambled = {**train, "y": np.where(weights == 0, (train["y"] + 3) % 10, train["y"])}
+    np.savez(directory / "scrambled.npz", **scrambled, sample_weight=weights)
+    np.savez(directory / "held_weighted.npz", **held, sample_weight=np.ones(HELD_OUT, np.float32))
+    return directory
+
+
+def classifier(*extra: str, data: str = "images.npz", held: str = "held.npz") -> list[str]:
+    return [
+        "model=keras",
+        "model.build=recipe_models:get_classifier",
+        "model.loss=recipe_models:classifier_loss",
+        "model.metrics=[accuracy]",
+        "data=arrays",
+        f"data.path={data}",
+        f"data.held_out_path={held}",
+        f"trainer.steps={STEPS}",
+        "trainer.log_interval=1",
+        f"trainer.global_batch={BATCH}",
+        "trainer.eval_batches=-1",
+        f"trainer.eval_interval={STEPS}",
+        *extra,
+    ]
+
+
+RECIPE = [
+    "optimizer=adamw",
+    "optimizer.learning_rate=0.01",
+    "optimizer.schedule=cosine",
+    "optimizer.warmup_steps=2",
+    "optimizer.global_clipnorm=1.0",
+]
+
+
+def train(workdir: Path, overrides: list[str], name: str) -> tuple[dict, list[dict]]:
+    from training.run import run_training
+
+    output = workdir / "runs" / name
+    summary = run_training(run_config(overrides), output)
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def one_device(workdir: Path, script: str) -> dict:
+    """What `script` prints as JSON, run in a fresh process with one CPU device and no
+    distribution, from `workdir`."""
+    env = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=workdir,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def evaluate_export(workdir: Path, model: str, held: str = "held.npz") -> dict:
+    """The exported model opened by plain Keras in one process, evaluated on every held-out
+    row, and its config's training-time recipe."""
+    return one_device(
+        workdir,
+        f"""
+        import json, keras, numpy as np
+        assert len(__import__("jax").devices()) == 1
+        model = keras.saving.load_model({model!r})
+        held = np.load({held!r})
+        figures = model.evaluate(held["x"], held["y"], batch_size={BATCH}, verbose=0,
+                                 return_dict=True)
+        print(json.dumps(figures))
+        """,
+    )
+
+
+def reference_losses(workdir: Path, overrides: list[str]) -> list[float]:
+    result = subprocess.run(
+        [sys.executable, str(REFERENCE), json.dumps(overrides)],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def keras_cosine(steps: int) -> list[float]:
+    """Keras' own schedule, as a user would write it: the rate of each update."""
+    import keras
+
+    schedule = keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=STEPS - 2, warmup_target=0.01, warmup_steps=2
+    )
+    return [float(schedule(step)) for step in range(steps)]
+
+
+@pytest.mark.ray
+def test_a_classifier_trains_with_the_recipe_and_its_export_evaluates_alike_on_one_device(
+    ray_cluster, workdir, monkeypatch
+):
+    monkeypatch.chdir(workdir)
+    summary, rows = train(workdir, classifier(*RECIPE), "data_parallel")
+    assert summary["status"] == "completed"
+    assert [row["learning_rate"] for row in rows] == pytest.approx(keras_cosine(STEPS), rel=1e-6)
+    assert all(0 <= row["accuracy"] <= 1 for row in rows)
+    assert summary["metric_names"] == ["accuracy"] and summary["eval_perplexity"] is None
+    # The export, opened by plain Keras on one device, on every held-out row once.
+    exported = evaluate_export(workdir, summary["exported_model"])
+    assert exported["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    assert exported["accuracy"] == pytest.approx(summary["eval_accuracy"], rel=1e-5)
+
+
+@pytest.mark.ray
+def test_hybrid_with_sample_weights_resumes_the_schedule_and_exports_from_a_checkpoint(
+    ray_cluster, workdir, monkeypatch
+):
+    monkeypatch.chdir(workdir)
+    split = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
+    rules = "model.layout_rules={conv2/kernel: [null, null, null, model]}"
+    weighted = classifier(*RECIPE, data="weighted.npz", held="held_weighted.npz")
+    whole, rows = train(workdir, [*weighted, *split, rules], "hybrid")
+    assert whole["variable_shardings"]["conv2/kernel"] == "P(None, None, None, 'model')"
+
+    # Sample weights reach the loss: rows that weigh nothing change nothing, on one device
+    # in plain Keras as here.
+    losses = [row["loss"] for row in rows]
+    expected = reference_losses(workdir, classifier(*RECIPE, data="scrambled.npz"))
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+
+    # The run's held-out figures are the live sharded model's; the export's agree.
+    exported = evaluate_export(workdir, whole["exported_model"], held="held_weighted.npz")
+    assert exported["loss"] == pytest.approx(whole["eval_loss"], rel=1e-5)
+
+    # Stopped at step 3 and resumed: the schedule goes on where it was.
+    checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
+    train(workdir, [*weighted, *split, rules, checkpoints, "trainer.steps=3"], "first_half")
+    resumed, resumed_rows = train(workdir, [*weighted, *split, rules, checkpoints], "resumed")
+    assert resumed["resumed_from_step"] == 3
+    assert [r["learning_rate"] for r in resumed_rows] == pytest.approx(
+        [r["learning_rate"] for r in rows[3:]], rel=1e-6
+    )
+    np.testing.assert_allclose([r["loss"] for r in resumed_rows], losses[3:], rtol=1e-5)
+
+    # training.export of the checkpoint written under 2 × 4 holds what the run exported.
+    result = run_module("training.export", str(workdir / "ckpt"), "cli.keras", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    same = one_device(
+        workdir,
+        f"""
+        import json, keras, numpy as np
+        a = keras.saving.load_model({resumed["exported_model"]!r})
+        b = keras.saving.load_model("cli.keras")
+        pairs = list(zip(a.weights + a.optimizer.variables, b.weights + b.optimizer.variables))
+        print(json.dumps([len(pairs), all(np.array_equal(x, y) for x, y in pairs)]))
+        """,
+    )
+    assert same[0] > 12 and same[1]
+
+
+@pytest.mark.ray
+def test_early_stopping_stops_where_keras_would_and_the_best_checkpoint_is_kept(
+    ray_cluster, workdir, monkeypatch
+):
+    import keras
+
+    monkeypatch.chdir(workdir)
+    checkpoints = workdir / "best"
+    overrides = classifier(
+        "optimizer=sgd",
+        "optimizer.learning_rate=0.2",
+        "trainer.steps=30",
+        "trainer.eval_interval=2",
+        "trainer.early_stopping.metric=eval_loss",
+        "trainer.early_stopping.patience=2",
+        f"checkpoint.dir={checkpoints}",
+        "checkpoint.interval=2",
+        "checkpoint.keep=1",
+        "checkpoint.keep_best=eval_accuracy",
+        "checkpoint.best_mode=max",
+    )
+    summary, rows = train(workdir, overrides, "early")
+    evaluated = [(r["step"], r["eval_loss"], r["eval_accuracy"]) for r in rows if "eval_loss" in r]
+
+    # Keras' own EarlyStopping, fed the same held-out losses, stops at the same evaluation.
+    callback = keras.callbacks.EarlyStopping(monitor="val_loss", patience=2)
+    callback.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    callback.on_train_begin()
+    expected = None
+    for epoch, (step, loss, _) in enumerate(evaluated):
+        callback.on_epoch_end(epoch, {"val_loss": loss})
+        if callback.model.stop_training:
+            expected = step
+            break
+    assert expected is not None, f"the run never stopped early: {evaluated}"
+    last = evaluated[-1][0]
+    assert summary["early_stopping"]["stopped_at_step"] == expected == last
+    assert summary["status"] == "completed"
+
+    # Kept: the newest checkpoint and the one of the best held-out accuracy.
+    best = max(evaluated, key=lambda e: (e[2], e[0]))[0]  # of equals, the newest
+    kept = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert kept == sorted({best, last})
+    assert summary["best_checkpoint"][0] == best
