@@ -162,7 +162,8 @@ def test_hybrid_with_sample_weights_resumes_the_schedule_and_exports_from_a_chec
     # Sample weights reach the loss: rows that weigh nothing change nothing, on one device
     # in plain Keras as here.
     losses = [row["loss"] for row in rows]
-    expected = reference_losses(workdir, classifier(*RECIPE, data="scrambled.npz"))
+    scrambled = classifier(*RECIPE, data="scrambled.npz", held="held_weighted.npz")
+    expected = reference_losses(workdir, scrambled)
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
 
     # The run's held-out figures are the live sharded model's; the export's agree.
@@ -222,6 +223,7 @@ def test_early_stopping_stops_where_keras_would_and_the_best_checkpoint_is_kept(
     # Keras' own EarlyStopping, fed the same held-out losses, stops at the same evaluation.
     callback = keras.callbacks.EarlyStopping(monitor="val_loss", patience=2)
     callback.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    callback.model.stop_training = False  # what fit() sets before the first epoch
     callback.on_train_begin()
     expected = None
     for epoch, (step, loss, _) in enumerate(evaluated):
