@@ -47,8 +47,11 @@ def gathering_split_variables():
         backend.convert_to_numpy = original
 
 
-def export_model(model, path: str) -> str:
-    """Write `model` to `path` (a `.keras` file) from host 0; every host must call it."""
+def export_model(model, path: str, max_shard_gb: float | None = None) -> str:
+    """Write `model` to `path` from host 0; every host must call it. `path` is a `.keras`
+    file, or with `max_shard_gb` a directory of the model's architecture (`model.json`,
+    for `keras.models.model_from_json`) and its weights in shards of at most that size
+    (`model.weights.json`, for `model.load_weights`)."""
     import jax
 
     writer = jax.process_index() == 0
@@ -59,9 +62,31 @@ def export_model(model, path: str) -> str:
     try:
         staged = os.path.join(staging, os.path.basename(path))
         with gathering_split_variables():
-            model.save(staged)
+            if max_shard_gb:
+                os.makedirs(staged)
+                model.save_weights(
+                    os.path.join(staged, SHARDED_WEIGHTS), max_shard_size=max_shard_gb
+                )
+                with open(os.path.join(staged, SHARDED_ARCHITECTURE), "w") as file:
+                    file.write(model.to_json())
+            else:
+                model.save(staged)
         if writer:
-            os.replace(staged, path)
+            _replace(staged, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+SHARDED_WEIGHTS, SHARDED_ARCHITECTURE = "model.weights.json", "model.json"
+
+
+def _replace(staged: str, path: str) -> None:
+    """Move `staged` (a file or a directory) to `path`, in place of what is there."""
+    if not os.path.isdir(path):
+        os.replace(staged, path)
+        return
+    old = tempfile.mkdtemp(prefix=".replaced-", dir=os.path.dirname(path))
+    os.replace(path, os.path.join(old, "old"))
+    os.replace(staged, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -5,25 +5,35 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from training.config.checkpoint import url_scheme
 from training.config.common import require
 
 EXPORT_FILE = "model.keras"
+SHARDED_EXPORT = "model"  # a directory: model.json, model.weights.json and its shards
 
 
 @dataclass
 class ExportConfig:
-    """`model.keras` (architecture, weights, optimizer state), written by host 0 when the
-    run ends, completed or preempted."""
+    """`model.keras` (architecture, weights, optimizer state), or its sharded form, written
+    by host 0 when the run ends, completed or preempted."""
 
     enabled: bool = True
     # A directory host 0 writes and the driver's user reads. Empty: the run's own directory
     # on a local cluster; on a Ray cluster, checkpoint.dir (hosts' nodes and the driver's
     # machine share it), else nothing is exported.
     dir: str = ""
+    # A model too large to hold whole in one host's memory: its weights written as shards
+    # of at most this many GB (Keras' `save_weights(max_shard_size=...)`) with its
+    # architecture as JSON, in a directory `model/`. None: one model.keras file.
+    max_shard_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
+        require(
+            self.max_shard_gb is None or self.max_shard_gb > 0,
+            "export.max_shard_gb must be > 0 (or null for one model.keras)",
+        )
         require(
             url_scheme(self.dir) is None,
             f"export.dir={self.dir!r}: give a filesystem path (a shared one on a cluster); "
@@ -34,4 +44,6 @@ class ExportConfig:
 
     def path(self) -> str | None:
         """Where the model goes; None where there is no directory for it."""
-        return os.path.join(self.dir, EXPORT_FILE) if self.enabled and self.dir else None
+        if not (self.enabled and self.dir):
+            return None
+        return os.path.join(self.dir, SHARDED_EXPORT if self.max_shard_gb else EXPORT_FILE)

@@ -104,7 +104,7 @@ def train(
     exported = cfg.export.path()
     if exported:
         with phase.during(EXPORTING):
-            export_model(model, exported)
+            export_model(model, exported, cfg.export.max_shard_gb)
     return {
         "final_loss": final_loss,
         "exported": exported,
