@@ -117,3 +117,18 @@ def test_a_bad_recipe_is_one_error_before_anything_starts(overrides, message):
         or "Could not" in str(raised.value)
         or ("nesterov" in str(raised.value))
     )
+
+
+def test_a_schedule_of_ones_own_is_keras_and_anything_else_is_one_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_schedules.py").write_text(
+        "import keras\n\n"
+        "def halving():\n"
+        "    return keras.optimizers.schedules.ExponentialDecay(1e-3, 2, 0.5, staircase=True)\n\n"
+        "def constant():\n"
+        "    return 1e-3\n"
+    )
+    cfg = recipe("optimizer.schedule=my_schedules:halving")
+    assert rates(cfg, 6, accumulate=2) == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4, 2.5e-4, 2.5e-4])
+    with pytest.raises(ConfigError, match="returned a float, not a keras.optimizers.schedules"):
+        build_optimizer(recipe("optimizer.schedule=my_schedules:constant").optimizer, 20)
