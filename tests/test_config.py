@@ -115,3 +115,13 @@ def test_unknown_choice_lists_the_available_ones(group):
 def test_out_of_range_values_are_rejected_at_the_boundary(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run_config([override])
+
+
+@pytest.mark.parametrize("given", ["model.kwargs.hidden=512", "model.kwargs={hidden: 512}"])
+def test_a_build_functions_arguments_are_given_as_the_readme_writes_them(given):
+    from training.config import compose_run_config
+
+    own = compose_run_config(["model=keras", "model.build=mine:get", "model.loss=mse", given])
+    assert own.model.kwargs == {"hidden": 512}
+    builtin = compose_run_config([given])  # the MLP's other sizes stay as they were
+    assert builtin.model.kwargs["hidden"] == 512 and builtin.model.kwargs["d_model"] == 64

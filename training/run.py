@@ -32,6 +32,7 @@ from training.config import (  # noqa: E402
     register_configs,
     settled_export,
     to_run_config,
+    with_open_dicts,
 )
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
@@ -102,4 +103,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = with_open_dicts(sys.argv[1:])
     main()

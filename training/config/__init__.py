@@ -91,6 +91,7 @@ __all__ = [
     "settled_export",
     "to_run_config",
     "url_scheme",
+    "with_open_dicts",
 ]
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
@@ -222,10 +223,25 @@ def run_config_from_record(record: dict) -> RunConfig:
     return RunConfig(**groups)
 
 
+# Dicts whose keys are the user's own (a build function's arguments): any key may be set.
+OPEN_DICTS = ("model.kwargs",)
+
+
+def with_open_dicts(overrides: list[str]) -> list[str]:
+    """`model.kwargs.hidden=512` and `model.kwargs={hidden: 512}` as Hydra's `++` overrides
+    (add or replace): Hydra refuses a key the composed config does not have yet without a
+    `+`, and refuses `+` for a key it has, while which keys a model's kwargs have depends on
+    the model chosen."""
+    return [
+        f"++{override}" if override.split("=", 1)[0].startswith(OPEN_DICTS) else override
+        for override in overrides
+    ]
+
+
 def compose_run_config(overrides: list[str]) -> RunConfig:
     """The run config `python -m training.run <overrides>` would get, outside a Hydra app."""
     from hydra import compose, initialize_config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_run_config(compose("config", overrides=overrides))
+        return to_run_config(compose("config", overrides=with_open_dicts(overrides)))
