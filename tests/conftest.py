@@ -1,7 +1,10 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
+import atexit
 import os
+import shutil
 import struct
+import tempfile
 import time
 import unicodedata
 
@@ -11,6 +14,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # The local cluster simulates CPU hosts in the tests, also on a machine with GPUs.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["KERAS_BACKEND"] = "jax"
+# The test run's own cache directory, so JAX's compilation cache (trainer.compile_cache_dir's
+# default, under $XDG_CACHE_HOME) is neither the user's nor another test run's; the Ray
+# instances and CLI processes the tests start inherit it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="training-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -231,11 +231,16 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(ray_c
         "optimizer=sgd",
         "optimizer.learning_rate=1e30",
     ]
-    with pytest.raises(HostFailure, match=r"NonFiniteLoss: the loss is (nan|inf) at step (\d+)"):
+    with pytest.raises(
+        HostFailure, match=r"NonFiniteLoss: the loss is (nan|inf) at step (\d+)"
+    ) as raised:
         run_training(run_config(CHECKPOINTED + overrides), tmp_path)
+    bad_step = int(re.search(r"at step (\d+)", str(raised.value)).group(1))
     failed = json.loads((tmp_path / "summary.json").read_text())
-    assert "last good checkpoint, step" in failed["error"]
-    assert (tmp_path / "ckpt" / "1").is_dir()
+    assert f"last good checkpoint, step {bad_step - 1} " in failed["error"]
+    # Every step before the bad one saved a checkpoint (interval 1); none from it on.
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] == bad_step - 1
     assert_no_actor_left()
 
 
