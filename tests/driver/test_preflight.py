@@ -1,4 +1,5 @@
-"""Preflight rejects bad input on the driver, naming what is wrong, before any actor starts."""
+"""Preflight rejects bad input on the driver, naming what is wrong, before any host trains
+(it runs while the hosts' actors start; `training.run` stops them when it fails)."""
 
 import pytest
 

@@ -13,5 +13,5 @@ Both sides use this package: the driver reads only a checkpoint's record and arr
   process can write there, and how many bytes a step takes;
 - `record`: what a resume must match, how a checkpoint's record differs, and the refusal;
 - `views`: each host's view of the directory, and the check that all hosts see the same one;
-- `inspection`: the driver's check of the directory before any actor starts.
+- `inspection`: the driver's check of the directory before any host trains.
 """

@@ -1,7 +1,7 @@
-"""The driver's look at checkpoint.dir before any actor starts.
+"""The driver's look at checkpoint.dir before any host trains (while the hosts' actors start).
 
 The driver reads only the JSON record and the array metadata, so a checkpoint of another
-run, a corrupt one or an unwritable directory is an error before any actor starts where
+run, a corrupt one or an unwritable directory is an error before any host trains where
 the driver sees the directory.
 """
 
