@@ -192,3 +192,30 @@ def test_a_second_identical_run_loads_its_step_from_the_compile_cache(tmp_path):
     assert first["compile_cache"] == "miss" and second["compile_cache"] == "hit"
     assert any((tmp_path / "cache").iterdir())
     assert compile_in_subprocess(Path("off"))["compile_cache"] == "off"
+
+
+@pytest.mark.parametrize("loader_skips_a_batch", [False, True])
+def test_the_rows_reported_are_those_the_loader_put_on_the_devices(
+    monkeypatch, loader_skips_a_batch
+):
+    from training.data import build_dataset
+    from training.driver.coverage import RowCoverage, WrongRows
+
+    if loader_skips_a_batch:  # a loader that feeds the next batch instead
+        read = HostFeed.micro_batch
+        monkeypatch.setattr(HostFeed, "micro_batch", lambda feed, index: read(feed, index + 1))
+    reports = logged([*LOOP, "trainer.log_interval=1", "trainer.eval_batches=0"])
+    cfg = run_config(HYBRID + LOOP)
+    coverage = RowCoverage(build_dataset(cfg.data), cfg.trainer)
+    coverage.add_host(0, (0, 32))  # one process: this host feeds every row
+
+    def check_all():
+        for report in reports:
+            coverage.check(report.step, [report.rows_fed])
+
+    if loader_skips_a_batch:
+        with pytest.raises(WrongRows, match="host 0 fed other examples"):
+            check_all()
+    else:
+        check_all()
+        assert coverage.checked_steps == 7

@@ -26,11 +26,13 @@ def gathering_split_variables():
     import numpy as np
     from jax.experimental import multihost_utils
 
-    # Keras' saving converts each variable through its backend's `convert_to_numpy`, which
-    # reads only arrays this process holds whole; there is no hook for another reader.
+    # Keras' saving reads each variable through its backend's `convert_to_numpy` (layers,
+    # metrics) or `Variable.numpy` (the optimizer), which read only arrays this process holds
+    # whole; there is no hook for another reader.
     from keras.src import backend
+    from keras.src.backend.common.variables import Variable
 
-    original = backend.convert_to_numpy
+    original, original_numpy = backend.convert_to_numpy, Variable.numpy
 
     def gathered(value):
         array = value.value if isinstance(value, keras.Variable) else value
@@ -40,11 +42,11 @@ def gathering_split_variables():
             return np.asarray(multihost_utils.process_allgather(array, tiled=True))
         return original(value)
 
-    backend.convert_to_numpy = gathered
+    backend.convert_to_numpy, Variable.numpy = gathered, gathered
     try:
         yield
     finally:
-        backend.convert_to_numpy = original
+        backend.convert_to_numpy, Variable.numpy = original, original_numpy
 
 
 def export_model(model, path: str, max_shard_gb: float | None = None) -> str:

@@ -29,19 +29,17 @@ class HostFeed:
     # The training batches are read in a background thread: the dataset's one reader.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def micro_batch(self, index: int) -> tuple:
-        return self.dataset.batch("train", index, self.trainer.micro_batch, self.rows)
+    def micro_batch(self, index: int) -> tuple[tuple, np.ndarray]:
+        """Micro-batch `index` of this host's rows, and the ids of its examples."""
+        size = self.trainer.micro_batch
+        return (
+            self.dataset.batch("train", index, size, self.rows),
+            self.dataset.rows("train", index, size, self.rows),
+        )
 
     def prefetch(self, step: int) -> Prefetcher:
         """Micro-batches from step `step` on, each prepared while the one before is used."""
         return Prefetcher(self.micro_batch, step * self.trainer.accumulate, self.lock)
-
-    def rows_fed(self, step: int) -> list[int]:
-        """Ids of the training examples this host fed at `step`, every micro-batch's."""
-        k, size = self.trainer.accumulate, self.trainer.micro_batch
-        with self.lock:
-            fed = [self.dataset.rows("train", step * k + i, size, self.rows) for i in range(k)]
-        return np.concatenate(fed).tolist()
 
     def held_out(self) -> Iterator[tuple[tuple, bool]]:
         """This host's rows of each held-out micro-batch, read as they are needed, with

@@ -234,38 +234,46 @@ def _mesh():
 
 class Prefetcher:
     """Micro-batches in order, each read and placed on the devices in a background thread
-    while the step before it runs. `lock` guards the dataset against the main thread's own
-    reads (held-out batches, row ids)."""
+    while the step before it runs, with the ids of the examples it holds: `read_batch(index)`
+    gives both, and the ids travel with the placed batch, so `fed` tells what really went to
+    the devices. `lock` guards the dataset against the main thread's own reads (held-out
+    batches)."""
 
     def __init__(self, read_batch, first: int, lock: threading.Lock):
-
         self._read, self._lock = read_batch, lock
         with lock:
-            sample = read_batch(first)
+            sample, ids = read_batch(first)
         # Computed here: Keras' distribution is thread-local, unset in the worker thread.
         self._shardings = batch_shardings(sample)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self._next = first
-        self._pending = self._pool.submit(self._place, sample)
+        self._pending = self._pool.submit(self._place, sample, ids)
+        self.fed: list[np.ndarray] = []  # the ids of each micro-batch taken, oldest first
 
     def _load(self, index: int):
         with self._lock:
-            batch = self._read(index)
-        return self._place(batch)
+            batch, ids = self._read(index)
+        return self._place(batch, ids)
 
-    def _place(self, batch):
-        return place(batch, self._shardings)
+    def _place(self, batch, ids):
+        return place(batch, self._shardings), ids
 
     def peek(self):
         """The next micro-batch, without taking it."""
-        return self._pending.result()
+        return self._pending.result()[0]
 
     def take(self):
         """The next micro-batch; starts preparing the one after it."""
-        batch = self._pending.result()
+        batch, ids = self._pending.result()
+        self.fed.append(ids)
         self._next += 1
         self._pending = self._pool.submit(self._load, self._next)
         return batch
+
+    def fed_since(self, count: int) -> list[int]:
+        """The ids of the last `count` micro-batches taken (and forgets older ones)."""
+        taken, self.fed = self.fed[-count:], []
+        return np.concatenate(taken).tolist()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

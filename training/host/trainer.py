@@ -269,7 +269,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
                 steps=interval_steps,
                 examples=examples_per_step * interval_steps,
                 learning_rate=runner.learning_rate(done),
-                rows_fed=feed.rows_fed(step),
+                rows_fed=batches.fed_since(k),
                 metrics=interval.metrics,
             )
             if evaluate:
