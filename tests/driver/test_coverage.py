@@ -1,6 +1,7 @@
 """The driver's check of what each host fed: the hosts' shares tile each batch, and each host
 read exactly the examples of its share, in the data's own order."""
 
+import numpy as np
 import pytest
 
 from tests.conftest import run_config
@@ -10,18 +11,28 @@ from training.driver.coverage import RowCoverage, WrongRows
 BATCH = ["trainer.global_batch=32"]
 
 
+@pytest.fixture(autouse=True)
+def numbered_rows(tmp_path, monkeypatch):
+    """Data whose every example carries its row id in its features, so what a host feeds
+    says which rows it read, independently of the order the check expects."""
+    monkeypatch.chdir(tmp_path)
+    ids = np.arange(300, dtype=np.float32)
+    np.savez(tmp_path / "numbered.npz", x=np.stack([ids, -ids], axis=1), y=ids.astype(np.int32))
+
+
 def coverage(*overrides: str) -> RowCoverage:
-    cfg = run_config([*BATCH, *overrides])
+    data = ["data=arrays", "data.path=numbered.npz"]
+    cfg = run_config([*BATCH, *data, *overrides])
     return RowCoverage(build_dataset(cfg.data), cfg.trainer)
 
 
 def fed(check: RowCoverage, step: int, share: slice) -> list[int]:
-    """What a correct host with `share` feeds at `step`, from the data's order."""
+    """What a correct host with `share` feeds at `step`: the ids in the batches it reads."""
     k, size = check.trainer.accumulate, check.trainer.micro_batch
     return [
-        int(i)
+        int(row_id)
         for m in range(k)
-        for i in check.dataset.rows("train", (step - 1) * k + m, size, share)
+        for row_id in check.dataset.batch("train", (step - 1) * k + m, size, share)[0][:, 0]
     ]
 
 

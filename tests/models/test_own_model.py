@@ -271,3 +271,38 @@ def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray
     # Step 4 starts mid-epoch (72 training rows, 32 a step): the same examples, same losses.
     assert resumed_rows == rows[3:]
     np.testing.assert_allclose(resumed["loss_history"], summary["loss_history"][3:], rtol=1e-5)
+
+
+def test_a_users_rule_wins_for_every_variable_it_matches_whatever_the_functions_pattern(
+    workdir,
+):
+    """The layout function splits d1 and d2; `model.layout_rules` keeps every kernel whole
+    with another pattern; `strategy.layout_rules` splits d2's kernel again: each source wins
+    for the variables it matches, read from the live arrays of the model built with them."""
+    import jax
+    import keras
+
+    from training.build import build_on_grid
+    from training.driver.preflight import with_layout
+    from training.parallel.mesh import MeshShape, device_grid
+
+    module = example_module(workdir)
+    cfg = run_config(
+        own_model(
+            module,
+            "get_model",
+            "strategy=hybrid",
+            f"model.layout={module}:get_layout_map",
+            "model.layout_rules={d.*/kernel: [null, null]}",
+            "strategy.layout_rules={d2/kernel: [model, null]}",
+        )
+    )
+    settled = with_layout(cfg, preflight(cfg))
+    try:
+        model, _ = build_on_grid(settled, device_grid(jax.devices(), MeshShape(2, 4)))
+        specs = {v.path: tuple(v.value.sharding.spec) for v in model.trainable_variables}
+    finally:
+        keras.distribution.set_distribution(None)
+    assert specs["d1/kernel"] in ((), (None, None))  # the user's rule: whole
+    assert specs["d1/bias"] == ("model",)  # only the function's rule matches it
+    assert specs["d2/kernel"] == ("model", None)  # strategy.layout_rules, over both

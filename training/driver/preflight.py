@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from training import models
 from training.checkpoint.inspection import inspect_checkpoints
@@ -30,6 +30,8 @@ class Checked:
     dataset: Dataset = field(repr=False, compare=False)
     resume_step: int | None = None  # the newest checkpoint's, when checkpoint.dir has one
     layout: auto_layout.AutoLayout | None = None  # the rules derived for strategy.layout=auto
+    # The model's rules with their sources' precedence settled per variable (not auto).
+    rules: LayoutRules | None = None
 
     @property
     def data_spec(self) -> DataSpec:
@@ -61,28 +63,33 @@ def preflight(cfg: RunConfig) -> Checked:
         "trainer.early_stopping.metric", cfg.trainer.early_stopping.metric, figures
     )
     variables = [models.variable_info(v) for v in model.variables]
-    layout = None
+    layout, rules = None, None
     if auto_layout.uses_auto_layout(cfg):
         layout = auto_layout.derive(model, mesh.model, cfg.strategy.layout_rules)
         check_layout_rules(layout.rules, variables, mesh)
     elif cfg.strategy.name != "data_parallel":
-        check_layout_rules(
-            models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules),
-            variables,
-            mesh,
+        paths = [v.path for v in variables]
+        rules = models.layout_rules(
+            cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
         )
+        check_layout_rules(rules, variables, mesh)
     resume_step = (
         inspect_checkpoints(cfg, variables, data_spec.fingerprint)
         if cfg.checkpoint.enabled
         else None
     )
-    return Checked(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout)
+    return Checked(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout, rules)
 
 
 def with_layout(cfg: RunConfig, checked: Checked) -> RunConfig:
-    """The config the hosts get: with strategy.layout=auto, the rules derived here as the
-    model's own (so no host derives them)."""
-    return auto_layout.settled(cfg, checked.layout) if checked.layout else cfg
+    """The config the hosts get: the rules settled here as the model's own, so no host
+    derives them (strategy.layout=auto) or weighs one rule against another."""
+    if checked.layout:
+        return auto_layout.settled(cfg, checked.layout)
+    if checked.rules:
+        rules = {pattern: list(axes) for pattern, axes in checked.rules.items()}
+        return replace(cfg, model=replace(cfg.model, layout="", layout_rules=rules))
+    return cfg
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from training.config import ConfigError, ModelConfig
 from training.contracts import (
+    ACTIVATION_RULE_SUFFIX,
     MESH_AXES,
     ArraySpec,
     BuildModel,
@@ -256,15 +257,53 @@ def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
 
 
 def layout_rules(
-    cfg: ModelConfig, mesh_shape: tuple[int, int], extra: dict | None = None, devices=None
+    cfg: ModelConfig,
+    mesh_shape: tuple[int, int],
+    extra: dict | None = None,
+    devices=None,
+    variables: list[str] | None = None,
 ) -> LayoutRules:
     """The model's rules on a (data, model) mesh: those of `model.layout`, overridden by
-    `model.layout_rules`, overridden by `extra` (`strategy.layout_rules`)."""
+    `model.layout_rules`, overridden by `extra` (`strategy.layout_rules`).
+
+    A rule overrides another with the same pattern; given the model's variable paths
+    (`variables`), a rule overrides every rule of a lower source for each variable it
+    matches, whatever their patterns: the lower rule keeps only the variables no higher rule
+    matches, named exactly (`_by_precedence`)."""
+    sources = [_rules_from_layout_function(cfg, mesh_shape, devices) if cfg.layout else {}]
+    sources += [
+        {pattern: tuple(axes) for pattern, axes in (given or {}).items()}
+        for given in (cfg.layout_rules, extra)
+    ]
+    if variables is not None:
+        return _by_precedence(sources, variables)
     rules: LayoutRules = {}
-    if cfg.layout:
-        rules.update(_rules_from_layout_function(cfg, mesh_shape, devices))
-    for given in (cfg.layout_rules or {}, extra or {}):
-        rules.update({pattern: tuple(axes) for pattern, axes in given.items()})
+    for source in sources:
+        rules.update(source)
+    return rules
+
+
+def _by_precedence(sources: list[LayoutRules], variables: list[str]) -> LayoutRules:
+    """One rule set from `sources` (lowest precedence first) in which each variable is
+    matched by rules of its highest source only. A rule matching nothing is kept, for the
+    check that names it; rules of one source matching the same variable are kept, for the
+    check that refuses them. Activation rules override by pattern."""
+    rules: LayoutRules = {}
+    claimed: set[str] = set()  # variables a higher source's rule matches
+    for source in reversed(sources):
+        matched_here = set()
+        for pattern, axes in source.items():
+            if pattern.endswith(ACTIVATION_RULE_SUFFIX):
+                rules.setdefault(pattern, axes)
+                continue
+            matched = [path for path in variables if re.fullmatch(pattern, path)]
+            free = [path for path in matched if path not in claimed]
+            matched_here.update(matched)
+            if len(free) == len(matched):
+                rules.setdefault(pattern, axes)
+            else:
+                rules.update({re.escape(path): axes for path in free})
+        claimed |= matched_here
     return rules
 
 

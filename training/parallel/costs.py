@@ -191,7 +191,10 @@ def layout_rules(
         return {}
     if cfg.strategy.layout == AUTO_LAYOUT:
         return derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
-    return models.layout_rules(cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules)
+    paths = [v.path for v in model.variables]
+    return models.layout_rules(
+        cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
+    )
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
