@@ -26,6 +26,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from training.checkpoint.inspection import newest_figures  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,
     RunConfig,
@@ -39,6 +40,7 @@ from training.driver.display import ProgressDisplay, print_layout, print_summary
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup  # noqa: E402
 from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
+from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
 
@@ -59,6 +61,9 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
             hosts = HostGroup.request(cfg.cluster)
             try:
                 checked = preflight(cfg)
+                if nothing_left_to_train(cfg, checked):
+                    hosts.shutdown()
+                    return completed_earlier(cfg, checked, output_dir, console)
                 if checked.layout:
                     print_layout(checked.layout, console)
                 cfg = with_layout(cfg, checked)
@@ -71,6 +76,27 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     print_summary(summary, console)
     if summary.get("exported_model"):
         console.print(f"model: {summary['exported_model']}", highlight=False, soft_wrap=True)
+    console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
+    return summary
+
+
+def nothing_left_to_train(cfg: RunConfig, checked) -> bool:
+    return checked.resume_step is not None and checked.resume_step >= cfg.trainer.steps
+
+
+def completed_earlier(cfg: RunConfig, checked, output_dir: Path, console: Console) -> dict:
+    """A run whose newest checkpoint reaches trainer.steps: complete, nothing trained now (a
+    sweep run again redoes only its unfinished trials)."""
+    summary = nothing_left_summary(cfg, checked, newest_figures(cfg.checkpoint))
+    write_summary(output_dir, summary)
+    loss = summary["final_loss"]
+    console.print(
+        f"nothing left to train: the newest checkpoint in {cfg.checkpoint.dir} is at step "
+        f"{checked.resume_step}, which reaches trainer.steps={cfg.trainer.steps} (raise it to "
+        "train further)" + (f"; its final loss {loss:.4f}" if loss is not None else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
 

@@ -50,11 +50,10 @@ def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
     means, interval = [], []
     for step in range(t.steps):
         micro = [
-            float(
-                model.train_on_batch(
-                    *dataset.batch("train", step * t.accumulate + i, t.micro_batch, rows)
-                )
-            )
+            model.train_on_batch(
+                *dataset.batch("train", step * t.accumulate + i, t.micro_batch, rows),
+                return_dict=True,
+            )["loss"]
             for i in range(t.accumulate)
         ]
         interval.append(sum(micro) / len(micro))
@@ -62,7 +61,9 @@ def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
             means.append(sum(interval) / len(interval))
             interval = []
     held_out = [
-        float(model.test_on_batch(*dataset.batch("held_out", i, t.micro_batch, rows)))
+        model.test_on_batch(*dataset.batch("held_out", i, t.micro_batch, rows), return_dict=True)[
+            "loss"
+        ]
         for i in range(t.eval_batches * t.accumulate)
     ]
     return means, sum(held_out) / len(held_out)
@@ -76,7 +77,7 @@ def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
     assert [r.step for r in reports] == [3, 6, 7]
     assert [r.steps for r in reports] == [3, 3, 1]
     np.testing.assert_allclose([r.loss for r in reports], expected, rtol=1e-5)
-    assert reports[-1].eval_loss == pytest.approx(held_out, rel=1e-5)
+    assert reports[-1].held_out["loss"] == pytest.approx(held_out, rel=1e-5)
 
 
 class RecordedPhase(Phase):
@@ -135,10 +136,10 @@ def poison_step(monkeypatch, step: int) -> None:
     batch = HostFeed.micro_batch
 
     def poisoned(feed, index):
-        x, y = batch(feed, index)
+        (x, y), ids = batch(feed, index)
         if index // feed.trainer.accumulate == step - 1:
             x = np.full_like(x, np.nan)
-        return x, y
+        return (x, y), ids
 
     monkeypatch.setattr(HostFeed, "micro_batch", poisoned)
 

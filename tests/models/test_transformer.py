@@ -82,7 +82,7 @@ def test_gradient_accumulation_learns_what_the_whole_batch_does():
     whole = train_in_process("hybrid", MeshShape(2, 4), TINY)
     accumulated = train_in_process("hybrid", MeshShape(2, 4), TINY + ["trainer.accumulate=2"])
     np.testing.assert_allclose([r.loss for r in accumulated], [r.loss for r in whole], rtol=1e-5)
-    assert accumulated[-1].eval_loss == pytest.approx(whole[-1].eval_loss, rel=1e-5)
+    assert accumulated[-1].held_out["loss"] == pytest.approx(whole[-1].held_out["loss"], rel=1e-5)
     assert [r.examples for r in accumulated] == [r.examples for r in whole]
 
 
@@ -105,7 +105,7 @@ def test_training_on_text_beats_the_unigram_baseline_within_the_default_steps():
     """The default transformer and text, the default 100 steps, batches of 16 sequences."""
     reports = train_in_process("hybrid", MeshShape(2, 4), TEXT + ["trainer.global_batch=16"])
     baseline = build_dataset(run_config(TEXT).data).spec.baseline_loss
-    evaluated = [r.eval_loss for r in reports if r.eval_loss is not None]
+    evaluated = [r.held_out["loss"] for r in reports if r.held_out is not None]
     assert len(evaluated) == 2  # at step 50 and at the end
     assert evaluated[-1] < evaluated[0] < reports[0].loss
     assert evaluated[-1] < baseline

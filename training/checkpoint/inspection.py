@@ -58,12 +58,17 @@ def inspect_checkpoints(
     )
     if found.stop:
         raise ConfigError(refusal(str(directory), step, found))
-    if step >= cfg.trainer.steps:
-        raise ConfigError(
-            f"the newest checkpoint in {directory} is at step {step}, which already reaches "
-            f"trainer.steps={cfg.trainer.steps}; raise trainer.steps to train further"
-        )
     return step
+
+
+def newest_figures(cfg: CheckpointConfig) -> dict:
+    """The figures logged at the newest checkpoint's step (`final_loss`, `final_<metric>`,
+    `eval_*`), as its record keeps them; {} where it kept none."""
+    step = newest_step(cfg)
+    if step is None:
+        return {}
+    record = read_record(open_manager(cfg, read_only=True), checkpoint_path(cfg.dir), step)
+    return record.get("figures", {})
 
 
 def newest_step(cfg: CheckpointConfig) -> int | None:

@@ -37,9 +37,12 @@ class Observed:
     # cluster the driver may not see it at all).
     resumed_from_step: int | None = None
 
-    def mark(self, phase: str) -> None:
-        """The run reached `phase` (the first time counts)."""
-        self.timings.setdefault(phase, time.perf_counter() - self.started)
+    def mark(self, phase: str, latest: bool = False) -> None:
+        """The run reached `phase`: the first time counts, or with `latest` the last."""
+        seconds = time.perf_counter() - self.started
+        if latest:
+            self.timings[phase] = seconds
+        self.timings.setdefault(phase, seconds)
 
 
 def run_status(results: list[dict], steps: int) -> str:
@@ -117,6 +120,33 @@ def build_summary(
         built["error"] = f"{type(error).__name__}: {error}"
         built["traceback"] = traceback.format_exception(error)
     return built
+
+
+def nothing_left_summary(cfg: RunConfig, checked: Checked, figures: dict) -> dict:
+    """summary.json of a run whose newest checkpoint already reaches trainer.steps: it is
+    complete, with the figures its record kept, and trained nothing now."""
+    return {
+        "status": "completed",
+        "nothing_left_to_train": True,
+        "strategy": cfg.strategy.name,
+        "mesh": checked.mesh.as_dict(),
+        "steps": cfg.trainer.steps,
+        "checkpoint_dir": cfg.checkpoint.dir,
+        "checkpoint_step": checked.resume_step,
+        "resumed_from_step": checked.resume_step,
+        "final_loss": None,
+        "eval_loss": None,
+        **figures,
+        "metric_names": [
+            k.removeprefix("final_")
+            for k in figures
+            if k.startswith("final_") and k != "final_loss"
+        ],
+        "logged_steps": [],
+        "loss_history": [],
+        "wall_seconds": 0.0,
+        "config": asdict(cfg),
+    }
 
 
 def write_summary(output_dir: Path, summary: dict) -> None:

@@ -161,6 +161,8 @@ class Supervisor:
             }
             return self._supervise(calls, inbox, group.actors)
         finally:
+            # Marked as the release begins: no other group is placed on these hosts before.
+            self.seen.mark("hosts_released", latest=True)
             group.shutdown()
             inbox.shutdown()
 

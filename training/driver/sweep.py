@@ -55,9 +55,14 @@ def trial_row(
         "wall_seconds": summary.get("wall_seconds"),
         # From starting the trial to all of its hosts placed: waiting for room in the cluster.
         "queued_seconds": None if placed is None else placed - phases.get("ray_ready", 0.0),
-        # When the trial held its hosts, in wall-clock seconds.
+        # When the trial held its hosts, in wall-clock seconds: from their placement to the
+        # start of their release (else the end of the trial).
         "started_at": None if placed is None else summary["started_at"] + placed,
-        "finished_at": summary.get("finished_at"),
+        "finished_at": (
+            summary["started_at"] + phases["hosts_released"]
+            if "hosts_released" in phases
+            else summary.get("finished_at")
+        ),
         "output_dir": str(output_dir),
         "error": error,
         # Each compiled metric's final and held-out figure (final_accuracy, eval_accuracy).

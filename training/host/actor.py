@@ -90,11 +90,12 @@ class HostActor:
         bound here until the coordinator has started: SO_REUSEPORT lets the coordinator's
         gRPC server (which sets it too) bind it meanwhile, and no other process can take it
         in between."""
+        node = ray.util.get_node_ip_address()  # loopback on a local run
         self._port_reservation = socket.socket()
         self._port_reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        self._port_reservation.bind(("", 0))
+        self._port_reservation.bind((node, 0))
         port = self._port_reservation.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return f"{node}:{port}"
 
     def train(
         self,
@@ -135,6 +136,9 @@ class HostActor:
         # Must precede any use of devices: once the backend exists, initialize forms no cluster.
         jax.distributed.initialize(
             coordinator_address=coordinator,
+            # Host 0's coordinator (an unauthenticated gRPC server) listens on its node's
+            # own address, not every interface.
+            coordinator_bind_address=coordinator,
             num_processes=self.num_hosts,
             process_id=self.host_index,
             initialization_timeout=max(1, int(timeout_s)),

@@ -193,9 +193,16 @@ class HostCheckpoints:
                 variable.assign(restored[group][key])
         return step
 
-    def save(self, step: int, held_out: dict[str, float] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        held_out: dict[str, float] | None = None,
+        logged: dict[str, float] | None = None,
+    ) -> None:
         """Save this host's shards at `step`, with the held-out figures evaluated there
-        (by name without `eval_`), which rank checkpoints for `checkpoint.keep_best`."""
+        (by name without `eval_`), which rank checkpoints for `checkpoint.keep_best`, and
+        the figures logged there (`final_loss`, `final_<metric>`), which the record keeps
+        for a run that finds nothing left to train."""
         import orbax.checkpoint as ocp
 
         state = {
@@ -212,6 +219,7 @@ class HostCheckpoints:
             **self.model_source,
         }
         figures = {f"eval_{name}": value for name, value in (held_out or {}).items()}
+        record["figures"] = {**(logged or {}), **figures}
         self.manager.save(
             step,
             args=ocp.args.Composite(

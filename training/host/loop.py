@@ -56,6 +56,11 @@ class CompiledStep:
         # Keras never holds these arrays again (resetting its metrics assigns new ones).
         self._fresh_metrics = [v.value for v in model.metrics_variables]
         self.metrics = self._fresh_metrics
+        # Keras' loss tracker (a mean since its last reset) starts each micro-step afresh, so
+        # the step's logged "loss" is that micro-batch's; the carry sums them.
+        tracker = getattr(model, "_loss_tracker", None)
+        tracked = {id(v) for v in tracker.variables} if tracker is not None else set()
+        self._loss_slots = [i for i, v in enumerate(model.metrics_variables) if id(v) in tracked]
         self._results = jax.jit(lambda metrics: metric_results(model, metrics))
         self._test_step = jax.jit(model.test_step)
         self.from_keras()
@@ -95,7 +100,15 @@ class CompiledStep:
         model, accumulate = self.model, self.accumulate
         shardings = model._get_state_sharding_spec()[:3]
 
+        loss_slots = self._loss_slots
+
         def micro_step(state, metrics, carry, data):
+            import jax.numpy as jnp
+
+            metrics = [
+                jnp.zeros_like(value) if i in loss_slots else value
+                for i, value in enumerate(metrics)
+            ]
             logs, (trainable, non_trainable, optimizer, metrics) = model.train_step(
                 (*state, metrics), data
             )

@@ -262,6 +262,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
         # driver a logged step past the newest checkpoint, which a restart rewinds and does
         # again, where the other order could lose the step's log for good.
         if logged:
+            figures = {"final_loss": loss, **{f"final_{k}": v for k, v in interval.metrics.items()}}
             event = StepLogged(
                 step=done,
                 loss=loss,
@@ -283,7 +284,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
         if save:
             runner.to_keras()
             with phase.during(SAVING):
-                guard.checkpoints.save(done, held_out)
+                guard.checkpoints.save(done, held_out, figures if logged else None)
         if logged:
             # Evaluation and saving stay out of the next interval's step times.
             interval_start = time.perf_counter()
