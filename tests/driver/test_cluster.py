@@ -5,9 +5,12 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from ipaddress import ip_address
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,8 @@ from training.config import ConfigError, RayClusterConfig
 from training.driver.cluster import Node, host_bundle, sized_from_nodes
 from training.host.actor import host_environment
 from training.run import run_training
+
+ROOT = Path(__file__).resolve().parents[2]
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
@@ -271,3 +276,50 @@ def test_a_local_ray_instance_has_room_for_a_spare_host_group(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert [local_cpus(hosts) for hosts in (1, 2, 3)] == [3, 4, 6]
     assert local_cpus(-1) == 4  # a sweep's instance, before its trials settle their hosts
+
+
+@pytest.mark.ray
+def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
+    """Host 0's `jax.distributed` coordinator (an unauthenticated gRPC server) takes no
+    connection from the machine's network on a local run. Ray's own servers are not ours to
+    bind: Ray 2.60 resolves a loopback node address to the machine's address."""
+    import psutil
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "training.run", f"hydra.run.dir={run}", "trainer.steps=100000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline and driver.poll() is None
+            time.sleep(0.2)
+        processes = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(True)]
+        listening = {
+            (connection.laddr.ip, connection.laddr.port)
+            for process in processes
+            for connection in _connections(process)
+            if connection.status == psutil.CONN_LISTEN
+        }
+    finally:
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=120)
+    coordinator = json.loads((run / "summary.json").read_text())["coordinator"]
+    host, port = coordinator.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    bound = {ip_address(ip) for ip, p in listening if p == int(port)}
+    assert bound and all((address.ipv4_mapped or address).is_loopback for address in bound)
+
+
+def _connections(process) -> list:
+    import psutil
+
+    try:
+        return process.net_connections(kind="inet")
+    except psutil.Error:  # a process that ended meanwhile
+        return []

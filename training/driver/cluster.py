@@ -28,7 +28,6 @@ from training.gpus import discover_gpus, gpu_resource, gpu_resources
 
 HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
 REACH_TIMEOUT_S = 5.0
-LOOPBACK = "127.0.0.1"
 
 
 def connect_ray(cluster: ClusterConfig) -> bool:
@@ -40,13 +39,9 @@ def connect_ray(cluster: ClusterConfig) -> bool:
         # the instance. Hosts ask for their GPUs by name (training/gpus.py); `GPU` is the
         # count Ray would detect itself, which no host asks for.
         gpus = discover_gpus()
-        # address="local" starts a fresh instance instead of joining a stale one. Its node
-        # address is loopback, so its servers (GCS, raylet, workers) and the hosts'
-        # `jax.distributed` coordinator listen on loopback only: a local run exposes nothing
-        # to the machine's network.
+        # address="local" starts a fresh instance instead of joining a stale one.
         ray.init(
             address="local",
-            _node_ip_address=LOOPBACK,
             num_cpus=cluster.num_cpus or local_cpus(cluster.hosts),
             num_gpus=len(gpus),
             resources=gpu_resources(gpus),

@@ -36,6 +36,7 @@ class Observed:
     # Where the run's first host group resumed, as the hosts saw checkpoint.dir (on a
     # cluster the driver may not see it at all).
     resumed_from_step: int | None = None
+    coordinator: str | None = None  # the jax.distributed coordinator's address (host 0)
 
     def mark(self, phase: str, latest: bool = False) -> None:
         """The run reached `phase`: the first time counts, or with `latest` the last."""
@@ -93,6 +94,7 @@ def build_summary(
         "phase_seconds": seen.timings,
         **_compile_summary(seen.compiles),
         "host_identities": seen.identities,
+        "coordinator": seen.coordinator,
         # Each GPU taking part (nvidia-smi index, kind, memory) with the host holding it.
         "gpus": [
             {"host": identity["host"], **gpu}

@@ -151,7 +151,11 @@ class Supervisor:
             )
             group.started(self.seen.identities)
             self._mark("actors_started")
-            coordinator = self._from_starting_hosts(group.actors[0].coordinator_address.remote())
+            local = self.cfg.cluster.name == "local"
+            coordinator = self._from_starting_hosts(
+                group.actors[0].coordinator_address.remote(local)
+            )
+            self.seen.coordinator = coordinator
             init_timeout = self.cfg.fault.startup_timeout_s
             calls = {
                 actor.train.remote(

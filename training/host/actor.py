@@ -20,6 +20,8 @@ from training.host.phases import Beats, Phase
 from training.host.warnings import forward_warnings
 from training.parallel.mesh import MeshShape
 
+LOOPBACK = "127.0.0.1"
+
 
 def host_environment(
     platform: str,
@@ -85,12 +87,13 @@ class HostActor:
 
         return visible_gpu_rows()
 
-    def coordinator_address(self) -> str:
-        """An address for the `jax.distributed` coordinator on this host. The port stays
-        bound here until the coordinator has started: SO_REUSEPORT lets the coordinator's
-        gRPC server (which sets it too) bind it meanwhile, and no other process can take it
-        in between."""
-        node = ray.util.get_node_ip_address()  # loopback on a local run
+    def coordinator_address(self, local: bool) -> str:
+        """An address for the `jax.distributed` coordinator on this host: loopback where
+        every host is on this machine (`local`), else the node's cluster address. The port
+        stays bound here until the coordinator has started: SO_REUSEPORT lets the
+        coordinator's gRPC server (which sets it too) bind it meanwhile, and no other
+        process can take it in between."""
+        node = LOOPBACK if local else ray.util.get_node_ip_address()
         self._port_reservation = socket.socket()
         self._port_reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self._port_reservation.bind((node, 0))
