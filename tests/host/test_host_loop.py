@@ -40,25 +40,26 @@ def logged(overrides: list[str]) -> list[StepLogged]:
     return [r for r in reports if isinstance(r, StepLogged)]
 
 
-def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
-    """The same model, mesh and micro-batches through Keras' `train_on_batch`, waiting for
-    every loss: each logged interval's mean, and the held-out loss at the end."""
+def synchronous_losses(overrides: list[str]) -> tuple[list[float], list[float], float]:
+    """The same model, mesh and micro-batches through Keras' `train_on_batch` (which resets
+    the metrics at each call), waiting for every result: each logged interval's mean loss
+    and accuracy, and the held-out loss at the end."""
     cfg = run_config(HYBRID + overrides)
     model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(2, 4)))
     t = cfg.trainer
     rows = slice(0, t.micro_batch)
-    means, interval = [], []
+    means, accuracies, interval = [], [], []
     for step in range(t.steps):
-        micro = [
+        interval += [
             model.train_on_batch(
                 *dataset.batch("train", step * t.accumulate + i, t.micro_batch, rows),
                 return_dict=True,
-            )["loss"]
+            )
             for i in range(t.accumulate)
         ]
-        interval.append(sum(micro) / len(micro))
         if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
-            means.append(sum(interval) / len(interval))
+            means.append(np.mean([float(logs["loss"]) for logs in interval]))
+            accuracies.append(np.mean([float(logs["accuracy"]) for logs in interval]))
             interval = []
     held_out = [
         model.test_on_batch(*dataset.batch("held_out", i, t.micro_batch, rows), return_dict=True)[
@@ -66,17 +67,19 @@ def synchronous_losses(overrides: list[str]) -> tuple[list[float], float]:
         ]
         for i in range(t.eval_batches * t.accumulate)
     ]
-    return means, sum(held_out) / len(held_out)
+    return means, accuracies, sum(held_out) / len(held_out)
 
 
 @pytest.mark.parametrize("extra", [[], ["trainer.accumulate=2", "optimizer=sgd"]])
 def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
+    """Each logged loss and accuracy is the mean over the interval since the last log."""
     overrides = LOOP + ["trainer.eval_batches=1", "trainer.eval_interval=100"] + extra
     reports = logged(overrides)
-    expected, held_out = synchronous_losses(overrides)
+    expected, accuracies, held_out = synchronous_losses(overrides)
     assert [r.step for r in reports] == [3, 6, 7]
     assert [r.steps for r in reports] == [3, 3, 1]
     np.testing.assert_allclose([r.loss for r in reports], expected, rtol=1e-5)
+    np.testing.assert_allclose([r.metrics["accuracy"] for r in reports], accuracies, rtol=1e-5)
     assert reports[-1].held_out["loss"] == pytest.approx(held_out, rel=1e-5)
 
 
