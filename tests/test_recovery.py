@@ -272,3 +272,26 @@ def test_sigterm_checkpoints_the_current_step_and_the_next_run_resumes(ray_clust
         tmp_path / "resumed",
     )
     assert resumed["resumed_from_step"] == stopped and resumed["status"] == "completed"
+
+
+def test_a_second_signal_stops_at_once():
+    """The first SIGTERM or SIGINT asks the hosts to checkpoint and stop; the next one,
+    whatever the first started, stops them at once (KeyboardInterrupt: `training.run` stops
+    every host and exits 130). Without checkpoints the first one does."""
+    from types import SimpleNamespace
+
+    from training.driver.supervisor import Supervisor
+
+    lines = []
+    supervisor = SimpleNamespace(
+        cfg=run_config(CHECKPOINTED + ["checkpoint.dir=/tmp/ckpt"]),
+        stop_signal=None,
+        log=SimpleNamespace(line=lines.append),
+    )
+    Supervisor._on_signal(supervisor, signal.SIGTERM, None)
+    assert supervisor.stop_signal == signal.SIGTERM and "checkpoint" in lines[0]
+    with pytest.raises(KeyboardInterrupt):
+        Supervisor._on_signal(supervisor, signal.SIGINT, None)
+    unsaved = SimpleNamespace(cfg=run_config(CHECKPOINTED), stop_signal=None, log=None)
+    with pytest.raises(KeyboardInterrupt):
+        Supervisor._on_signal(unsaved, signal.SIGINT, None)
