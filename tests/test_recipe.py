@@ -132,53 +132,68 @@ def keras_cosine(steps: int) -> list[float]:
     return [float(schedule(step)) for step in range(steps)]
 
 
+WEIGHTED = classifier(*RECIPE, data="weighted.npz", held="held_weighted.npz")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, workdir):
+    """Data parallel on 2 hosts × 4 devices, on the weighted data: the run the others are
+    compared with."""
+    here = os.getcwd()
+    os.chdir(workdir)
+    try:
+        yield train(workdir, WEIGHTED, "data_parallel")
+    finally:
+        os.chdir(here)
+
+
 @pytest.mark.ray
 def test_a_classifier_trains_with_the_recipe_and_its_export_evaluates_alike_on_one_device(
-    ray_cluster, workdir, monkeypatch
+    uninterrupted, workdir
 ):
-    monkeypatch.chdir(workdir)
-    summary, rows = train(workdir, classifier(*RECIPE), "data_parallel")
+    summary, rows = uninterrupted
     assert summary["status"] == "completed"
     assert [row["learning_rate"] for row in rows] == pytest.approx(keras_cosine(STEPS), rel=1e-6)
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
     assert summary["metric_names"] == ["accuracy"] and summary["eval_perplexity"] is None
+
+    # Sample weights reach the loss: rows that weigh nothing change nothing, on one device
+    # in plain Keras as here (their labels changed, the losses are the same).
+    scrambled = classifier(*RECIPE, data="scrambled.npz", held="held_weighted.npz")
+    expected = reference_losses(workdir, scrambled)
+    np.testing.assert_allclose([row["loss"] for row in rows], expected, rtol=1e-4)
+
     # The export, opened by plain Keras on one device, on every held-out row once.
-    exported = evaluate_export(workdir, summary["exported_model"])
+    exported = evaluate_export(workdir, summary["exported_model"], held="held_weighted.npz")
     assert exported["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
     assert exported["accuracy"] == pytest.approx(summary["eval_accuracy"], rel=1e-5)
 
 
 @pytest.mark.ray
-def test_hybrid_with_sample_weights_resumes_the_schedule_and_exports_from_a_checkpoint(
-    ray_cluster, workdir, monkeypatch
+def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_trained(
+    uninterrupted, workdir, monkeypatch
 ):
     monkeypatch.chdir(workdir)
+    _, rows = uninterrupted
     split = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
     rules = "model.layout_rules={conv2/kernel: [null, null, null, model]}"
-    weighted = classifier(*RECIPE, data="weighted.npz", held="held_weighted.npz")
-    whole, rows = train(workdir, [*weighted, *split, rules], "hybrid")
-    assert whole["variable_shardings"]["conv2/kernel"] == "P(None, None, None, 'model')"
-
-    # Sample weights reach the loss: rows that weigh nothing change nothing, on one device
-    # in plain Keras as here.
-    losses = [row["loss"] for row in rows]
-    scrambled = classifier(*RECIPE, data="scrambled.npz", held="held_weighted.npz")
-    expected = reference_losses(workdir, scrambled)
-    np.testing.assert_allclose(losses, expected, rtol=1e-4)
-
-    # The run's held-out figures are the live sharded model's; the export's agree.
-    exported = evaluate_export(workdir, whole["exported_model"], held="held_weighted.npz")
-    assert exported["loss"] == pytest.approx(whole["eval_loss"], rel=1e-5)
-
-    # Stopped at step 3 and resumed: the schedule goes on where it was.
     checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
-    train(workdir, [*weighted, *split, rules, checkpoints, "trainer.steps=3"], "first_half")
-    resumed, resumed_rows = train(workdir, [*weighted, *split, rules, checkpoints], "resumed")
+
+    # Stopped at step 3 and resumed under hybrid: the schedule goes on where it was, and
+    # the losses are the uninterrupted run's (another layout sums in another order).
+    train(workdir, [*WEIGHTED, *split, rules, checkpoints, "trainer.steps=3"], "first_half")
+    resumed, resumed_rows = train(workdir, [*WEIGHTED, *split, rules, checkpoints], "resumed")
+    assert resumed["variable_shardings"]["conv2/kernel"] == "P(None, None, None, 'model')"
     assert resumed["resumed_from_step"] == 3
     assert [r["learning_rate"] for r in resumed_rows] == pytest.approx(
         [r["learning_rate"] for r in rows[3:]], rel=1e-6
     )
-    np.testing.assert_allclose([r["loss"] for r in resumed_rows], losses[3:], rtol=1e-5)
+    losses = [r["loss"] for r in rows[3:]]
+    np.testing.assert_allclose([r["loss"] for r in resumed_rows], losses, rtol=1e-5)
+
+    # The run's held-out figures are the live sharded model's; the export's agree.
+    exported = evaluate_export(workdir, resumed["exported_model"], held="held_weighted.npz")
+    assert exported["loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
 
     # training.export of the checkpoint written under 2 × 4 holds what the run exported.
     result = run_module("training.export", str(workdir / "ckpt"), "cli.keras", cwd=workdir)
