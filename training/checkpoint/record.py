@@ -20,13 +20,17 @@ from training.config import RunConfig
 FORMAT = 2
 # Differences that change the optimizer's variables: no allowance makes their arrays fit.
 NOT_ALLOWABLE = ("optimizer.name", "trainer.accumulate")
+# What a resume may change freely: the layout (arrays are resharded on load) and the metrics
+# (their state is not checkpointed).
+NOT_RECORDED_MODEL_KEYS = ("layout_rules", "layout", "metrics", "weighted_metrics")
 
 
 def resume_record(cfg: RunConfig, data_fingerprint: str) -> dict[str, object]:
     """What a resume must match, as flat dotted keys (`optimizer.learning_rate`): the model
-    (its builder, kwargs and loss; not its layout, since arrays are resharded on load), the
+    (its builder, kwargs and loss; not its layout, since arrays are resharded on load, nor
+    its metrics), the
     optimizer and its settings, the global batch and accumulation, the seed and the data."""
-    model = {k: v for k, v in asdict(cfg.model).items() if k not in ("layout_rules", "layout")}
+    model = {k: v for k, v in asdict(cfg.model).items() if k not in NOT_RECORDED_MODEL_KEYS}
     record = {
         **_flatten("model", model),
         **_flatten("optimizer", asdict(cfg.optimizer)),
