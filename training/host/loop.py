@@ -74,7 +74,7 @@ class CompiledStep:
         self._in_flight: list = []
 
     def from_keras(self) -> None:
-        """Take the state from the Keras variables (at the start, after Keras used them)."""
+        """Take the state from the Keras variables (at the start)."""
         model = self.model
         self.state = (
             [v.value for v in model.trainable_variables],
@@ -83,8 +83,8 @@ class CompiledStep:
         )
 
     def to_keras(self) -> None:
-        """Write the state into the Keras variables. The next step donates these arrays:
-        call `from_keras` if Keras replaced them meanwhile (evaluation does)."""
+        """Write the state into the Keras variables (before a save, and at the end). The next
+        step donates these arrays; evaluation reads the state itself, not the variables."""
         model = self.model
         groups = (model.trainable_variables, model.non_trainable_variables)
         for variables, values in zip((*groups, model.optimizer.variables), self.state, strict=True):
