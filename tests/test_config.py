@@ -22,6 +22,7 @@ REQUIRED = {
     ("model", "keras"): ["model.build=my_models:get_model", "model.loss=mse"],
     ("data", "arrays"): ["data.path=train.npz"],
     ("data", "tokens"): ["data.path=train.bin"],
+    ("data", "jsonl"): ["data.path=train.jsonl", "data.tokenizer=/presets/gemma"],
 }
 
 

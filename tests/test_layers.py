@@ -10,7 +10,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "training"
 
 # The command-line entry points, at the top: no other module imports them.
-CLIS = ("training.run", "training.plan", "training.report", "training.export")
+CLIS = (
+    "training.run",
+    "training.plan",
+    "training.report",
+    "training.export",
+    "training.generate",
+)
 # A module (or package) → the modules it must never import, at any depth in its code.
 FORBIDDEN = {
     "training.host": ("training.driver",),

@@ -62,5 +62,6 @@ def describe_variables(variables) -> dict[str, dict]:
             "bytes": int(array.nbytes),
             "shard_shape": list(shard.shape),
             "shard_bytes": int(shard.nbytes),
+            "trainable": bool(variable.trainable),
         }
     return described

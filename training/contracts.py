@@ -59,6 +59,7 @@ class VariableInfo:
     path: str
     shape: tuple[int, ...]
     dtype: str
+    trainable: bool = True
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ device, with no cluster: a checkpoint written under another mesh, or a sweep's b
 The checkpoint's record holds the run's config and its data's spec, so the model is built
 again without the data; a model from your own file needs that file importable, as in the
 run (run this from the directory the run was started in). OUT defaults to
-CHECKPOINT_DIR/model.keras.
+CHECKPOINT_DIR/model.keras; for a keras-hub model (`model=hub`), to the preset directory
+CHECKPOINT_DIR/preset (or CHECKPOINT_DIR/model.lora.h5 with `export.lora_only`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from rich.console import Console  # noqa: E402
 
 from training.build import build_compiled  # noqa: E402
-from training.checkpoint.export import export_model  # noqa: E402
+from training.checkpoint.export import export_model, writes_preset  # noqa: E402
 from training.checkpoint.inspection import newest_step, read_record  # noqa: E402
 from training.checkpoint.storage import CheckpointError, open_manager  # noqa: E402
 from training.config import (  # noqa: E402
@@ -36,6 +37,16 @@ from training.host.checkpoints import HostCheckpoints  # noqa: E402
 
 def export_checkpoint(directory: str, out: str | None = None, step: int | None = None) -> str:
     """Export checkpoint `step` (default: the newest) of `directory` to `out`; its path."""
+    cfg, model = restored_model(directory, step)
+    if not out:
+        export = replace(cfg.export, enabled=True, dir=cfg.checkpoint.dir)
+        out = export.path(keras_hub=writes_preset(model))
+    return export_model(model, out, cfg.export.max_shard_gb, cfg.export.lora_only)
+
+
+def restored_model(directory: str, step: int | None = None):
+    """(the run's config, its model compiled on one device with checkpoint `step` of
+    `directory` restored into it; default: the newest)."""
     checkpoint = CheckpointConfig(dir=directory)
     directory = checkpoint.dir  # absolute, or a bucket URL
     step = step if step is not None else newest_step(checkpoint)
@@ -54,7 +65,7 @@ def export_checkpoint(directory: str, out: str | None = None, step: int | None =
     checkpoints = HostCheckpoints(cfg, model, data_spec)
     checkpoints.restore(step)
     checkpoints.close()
-    return export_model(model, out or os.path.join(directory, EXPORT_FILE))
+    return cfg, model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,12 @@ from training.config import (  # noqa: E402
     with_open_dicts,
 )
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
-from training.driver.display import ProgressDisplay, print_layout, print_summary  # noqa: E402
+from training.driver.display import (  # noqa: E402
+    ProgressDisplay,
+    print_layout,
+    print_parameters,
+    print_summary,
+)
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup  # noqa: E402
 from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
@@ -64,6 +69,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 if nothing_left_to_train(cfg, checked):
                     hosts.shutdown()
                     return completed_earlier(cfg, checked, output_dir, console)
+                print_parameters(checked.variables, console)
                 if checked.layout:
                     print_layout(checked.layout, console)
                 cfg = with_layout(cfg, checked)

@@ -49,11 +49,20 @@ def gathering_split_variables():
         backend.convert_to_numpy, Variable.numpy = original, original_numpy
 
 
-def export_model(model, path: str, max_shard_gb: float | None = None) -> str:
+def writes_preset(model) -> bool:
+    """A keras-hub model (training/models/hub.py) is exported as a keras-hub preset."""
+    return callable(getattr(model, "save_to_preset", None))
+
+
+def export_model(
+    model, path: str, max_shard_gb: float | None = None, lora_only: bool = False
+) -> str:
     """Write `model` to `path` from host 0; every host must call it. `path` is a `.keras`
     file, or with `max_shard_gb` a directory of the model's architecture (`model.json`,
     for `keras.models.model_from_json`) and its weights in shards of at most that size
-    (`model.weights.json`, for `model.load_weights`)."""
+    (`model.weights.json`, for `model.load_weights`). A keras-hub model: a preset directory
+    (LoRA merged into the kernels; weights sharded above `max_shard_gb`, keras-hub's 10 GB
+    by default), or with `lora_only` its LoRA weights alone (a `.lora.h5` file)."""
     import jax
 
     writer = jax.process_index() == 0
@@ -64,7 +73,11 @@ def export_model(model, path: str, max_shard_gb: float | None = None) -> str:
     try:
         staged = os.path.join(staging, os.path.basename(path))
         with gathering_split_variables():
-            if max_shard_gb:
+            if writes_preset(model) and lora_only:
+                model.save_lora_weights(staged)
+            elif writes_preset(model):
+                model.save_to_preset(staged, max_shard_size=max_shard_gb or 10)
+            elif max_shard_gb:
                 os.makedirs(staged)
                 model.save_weights(
                     os.path.join(staged, SHARDED_WEIGHTS), max_shard_size=max_shard_gb

@@ -29,6 +29,7 @@ from training.config.common import AUTO, ConfigError, require
 from training.config.data import (
     ArrayDataConfig,
     DataConfig,
+    JsonlDataConfig,
     SyntheticDataConfig,
     TextDataConfig,
     TokenDataConfig,
@@ -66,6 +67,7 @@ __all__ = [
     "ExportConfig",
     "FaultConfig",
     "HubModelConfig",
+    "JsonlDataConfig",
     "LocalClusterConfig",
     "MeshConfig",
     "ModelConfig",
@@ -122,6 +124,11 @@ class RunConfig:
         )
         self.optimizer.check_against_steps(self.trainer.steps)
         require(
+            not self.export.lora_only or getattr(self.model, "lora_rank", 0),
+            "export.lora_only writes a model's LoRA weights: it needs model=hub with "
+            "model.lora_rank",
+        )
+        require(
             not self.checkpoint.keep_best or self.trainer.eval_batches != 0,
             "checkpoint.keep_best ranks checkpoints by a held-out figure: trainer.eval_batches "
             "is 0",
@@ -137,6 +144,7 @@ SCHEMAS = {
         "text": TextDataConfig,
         "arrays": ArrayDataConfig,
         "tokens": TokenDataConfig,
+        "jsonl": JsonlDataConfig,
     },
     "optimizer": OPTIMIZERS,
     "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},

@@ -94,4 +94,36 @@ class TokenDataConfig(FileDataConfig):
         require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
 
 
-DataConfig = SyntheticDataConfig | TextDataConfig | ArrayDataConfig | TokenDataConfig
+@dataclass
+class JsonlDataConfig(FileDataConfig):
+    """Text in a JSON-lines file, one example a line, tokenized on the hosts by a keras-hub
+    preset's own tokenizer."""
+
+    what_path_names: ClassVar[str] = "a .jsonl file"
+    name: str = "jsonl"
+    field: str = "text"  # the text to learn, when there is no prompt_field
+    # Instruction tuning: the model reads the prompt, then learns the response (only the
+    # response's tokens carry loss).
+    prompt_field: str = ""
+    response_field: str = ""
+    tokenizer: str = ""  # a keras-hub preset with a tokenizer; the yaml takes model.preset
+    seq_len: int = 128  # tokens per example, padded or cut; the yaml takes model.seq_len
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            bool(self.prompt_field) == bool(self.response_field),
+            "data.prompt_field and data.response_field go together (instruction tuning)",
+        )
+        require(bool(self.field or self.prompt_field), "data.field must name the text's field")
+        require(self.seq_len >= 2, "data.seq_len must be >= 2")
+        require(
+            bool(self.tokenizer),
+            "data=jsonl needs a tokenizer: model=hub with model.preset=<a keras-hub preset "
+            "with a tokenizer>, or data.tokenizer=<such a preset>",
+        )
+
+
+DataConfig = (
+    SyntheticDataConfig | TextDataConfig | ArrayDataConfig | TokenDataConfig | JsonlDataConfig
+)

@@ -12,12 +12,15 @@ from training.config.common import require
 
 EXPORT_FILE = "model.keras"
 SHARDED_EXPORT = "model"  # a directory: model.json, model.weights.json and its shards
+PRESET_EXPORT = "preset"  # a keras-hub model's: a preset directory
+LORA_EXPORT = "model.lora.h5"  # its LoRA weights alone (keras-hub's save_lora_weights)
 
 
 @dataclass
 class ExportConfig:
     """`model.keras` (architecture, weights, optimizer state), or its sharded form, written
-    by host 0 when the run ends, completed or preempted."""
+    by host 0 when the run ends, completed or preempted; a keras-hub model (`model=hub`) as
+    a keras-hub preset directory `preset/` (or its LoRA weights alone)."""
 
     enabled: bool = True
     # A directory host 0 writes and the driver's user reads. Empty: the run's own directory
@@ -28,6 +31,9 @@ class ExportConfig:
     # of at most this many GB (Keras' `save_weights(max_shard_size=...)`) with its
     # architecture as JSON, in a directory `model/`. None: one model.keras file.
     max_shard_gb: Optional[float] = None
+    # A keras-hub model with LoRA: write only the LoRA weights (model.lora.h5, for keras-hub's
+    # `backbone.load_lora_weights`) instead of the preset with LoRA merged into its kernels.
+    lora_only: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -42,8 +48,11 @@ class ExportConfig:
         if self.dir:
             self.dir = os.path.abspath(os.path.expanduser(self.dir))
 
-    def path(self) -> str | None:
-        """Where the model goes; None where there is no directory for it."""
+    def path(self, keras_hub: bool = False) -> str | None:
+        """Where the model goes (`keras_hub`: a keras-hub model's); None where there is no
+        directory for it."""
         if not (self.enabled and self.dir):
             return None
+        if keras_hub:
+            return os.path.join(self.dir, LORA_EXPORT if self.lora_only else PRESET_EXPORT)
         return os.path.join(self.dir, SHARDED_EXPORT if self.max_shard_gb else EXPORT_FILE)

@@ -10,6 +10,8 @@ from omegaconf import MISSING
 from training.config.common import names_object, require
 from training.config.strategy import checked_layout_rules
 
+WEIGHT_FILES = (".keras", ".weights.h5", ".weights.json")
+
 
 @dataclass
 class ModelConfig:
@@ -37,8 +39,12 @@ class ModelConfig:
     # data's sample weights (Keras' compile arguments of the same names).
     metrics: List[str] = field(default_factory=list)
     weighted_metrics: List[str] = field(default_factory=list)
-    # Token data (data=text, data=tokens) is cut into windows of seq_len + 1 tokens.
+    # Token data (data=text, data=tokens) is cut into windows of seq_len + 1 tokens; text
+    # (data=jsonl) is padded or cut to seq_len tokens.
     seq_len: int = 128
+    # Weights to start from, loaded on every host after the model is built: a .keras file,
+    # a .weights.h5 file (or a sharded .weights.json), such as an earlier run's export.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         named = {"build": self.build, "layout": self.layout}
@@ -50,6 +56,10 @@ class ModelConfig:
                 f"model.{key}={value!r} must name a Python object as module:function",
             )
         require(self.seq_len >= 1, "model.seq_len must be >= 1")
+        require(
+            not self.init_from or self.init_from.endswith(WEIGHT_FILES),
+            f"model.init_from={self.init_from!r} must be a {', '.join(WEIGHT_FILES)} file",
+        )
         self.layout_rules = checked_layout_rules("model.layout_rules", self.layout_rules)
 
     def build_kwargs(self) -> dict[str, Any]:
@@ -63,21 +73,45 @@ class ModelConfig:
 
 @dataclass
 class HubModelConfig(ModelConfig):
-    """A keras-hub backbone built from constructor sizes (random weights, no download) with a
-    causal-LM head; its layout is the backbone's own `get_layout_map`."""
+    """A keras-hub CausalLM: from a preset (its weights and tokenizer), or from a backbone
+    class's constructor sizes (random weights, nothing downloaded); LoRA optional. Its
+    layout is the backbone's own `get_layout_map` (training/models/hub.py)."""
 
     name: str = "hub"
-    backbone: str = MISSING  # a class of keras_hub.models, e.g. LlamaBackbone
+    # A keras-hub preset: a directory save_to_preset wrote, or a handle (kaggle://, hf://)
+    # where the hosts can download it. Given, the backbone and its sizes are the preset's:
+    # model.backbone and model.kwargs are not used.
+    preset: str = ""
+    backbone: str = ""  # without a preset: a class of keras_hub.models, e.g. LlamaBackbone
+    # LoRA of this rank (keras-hub's enable_lora): only the LoRA matrices train. 0: none.
+    lora_rank: int = 0
+    # The layers given LoRA, by name; empty: keras-hub's default (query and value).
+    lora_targets: List[str] = field(default_factory=list)
     build: str = "training.models.hub:causal_lm"
     loss: str = "training.models.hub:loss"
     layout: str = "training.models.hub:layout_map"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.backbone.isidentifier(), f"model.backbone={self.backbone!r} is not a name")
+        if self.preset:
+            self.backbone, self.kwargs = "", {}
+        else:
+            require(
+                self.backbone.isidentifier(),
+                f"model.backbone={self.backbone!r} is not a name; model=hub needs a "
+                "model.preset or a model.backbone",
+            )
+        require(self.lora_rank >= 0, "model.lora_rank must be >= 0 (0: no LoRA)")
+        require(
+            self.lora_rank or not self.lora_targets,
+            "model.lora_targets needs model.lora_rank (the rank of the LoRA matrices)",
+        )
 
     def build_kwargs(self) -> dict[str, Any]:
-        return {"backbone": self.backbone, "seq_len": self.seq_len, **self.kwargs}
+        lora = {"lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets)}
+        return {**self.layout_kwargs(), **lora}
 
     def layout_kwargs(self) -> dict[str, Any]:
-        return {"backbone": self.backbone}
+        if self.preset:
+            return {"preset": self.preset}
+        return {"backbone": self.backbone, **self.kwargs}

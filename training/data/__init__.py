@@ -105,11 +105,12 @@ def build_dataset(data_cfg: DataConfig) -> Dataset:
 # Imported with the package, not when first used: the datasets' modules use the helpers above,
 # and a Ray job's working directory may be re-extracted under a running driver (several nodes
 # of one machine share it), so nothing should be imported late.
-from training.data import arrays, synthetic, text, tokens  # noqa: E402
+from training.data import arrays, jsonl, synthetic, text, tokens  # noqa: E402
 
 DATASETS = {
     "synthetic": synthetic.SyntheticClassification,
     "text": text.TextCorpus,
     "arrays": arrays.ArrayData,
     "tokens": tokens.TokenData,
+    "jsonl": jsonl.JsonlText,
 }

@@ -3,6 +3,7 @@ the run's closing summary with the device → host map."""
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -189,6 +190,14 @@ def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
                 rows.append(row_index)
             devices.append(device)
     return by_host
+
+
+def print_parameters(variables, console: Console) -> None:
+    """How many parameters the model has, and how many of them train."""
+    total = sum(math.prod(v.shape) for v in variables)
+    trained = sum(math.prod(v.shape) for v in variables if v.trainable)
+    share = "all trained" if trained == total else f"{trained:,} trained ({trained / total:.2%})"
+    console.print(f"parameters: {total:,}, {share}", highlight=False)
 
 
 def print_layout(layout, console: Console) -> None:

@@ -4,6 +4,7 @@ hosts' results; written when the run ends, also when it fails."""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import traceback
@@ -214,12 +215,19 @@ def _layout_summary(result: dict) -> dict:
     return {
         "variable_shardings": {path: v["spec"] for path, v in variables.items()},
         "variables": variables,
+        "parameters": sum(math.prod(v["shape"]) for v in variables.values()),
+        # Fewer than all where some are frozen (LoRA trains its own matrices only).
+        "parameters_trained": sum(
+            math.prod(v["shape"]) for v in variables.values() if v["trainable"]
+        ),
         "parameter_bytes_total": sum(v["bytes"] for v in variables.values()),
         "parameter_bytes_per_device": sum(v["shard_bytes"] for v in variables.values()),
         "parameter_bytes_replicated": sum(v["bytes"] for v in replicated.values()),
         "replicated_above_threshold": sorted(
             p for p, v in replicated.items() if v["bytes"] > SPLIT_THRESHOLD_BYTES
         ),
+        # What has optimizer state (only what trains: LoRA's matrices under LoRA).
+        "optimizer_variables": sorted(optimizer),
         "optimizer_bytes_total": sum(v["bytes"] for v in optimizer.values()),
         "optimizer_bytes_per_device": sum(v["shard_bytes"] for v in optimizer.values()),
         "mesh_devices": result["mesh_devices"],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from training.build import build_on_grid, describe_variables
-from training.checkpoint.export import export_model
+from training.checkpoint.export import export_model, writes_preset
 from training.config import RunConfig, TrainerConfig
 from training.events import (
     BUILDING,
@@ -101,10 +101,10 @@ def train(
     )
     if checkpoints:
         checkpoints.close()
-    exported = cfg.export.path()
+    exported = cfg.export.path(keras_hub=writes_preset(model))
     if exported:
         with phase.during(EXPORTING):
-            export_model(model, exported, cfg.export.max_shard_gb)
+            export_model(model, exported, cfg.export.max_shard_gb, cfg.export.lora_only)
     return {
         "final_loss": final_loss,
         "exported": exported,

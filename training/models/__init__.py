@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from training.contracts import (
     VariableInfo,
 )
 from training.models.locate import locate
+from training.models.weights import load_initial_weights, shapes_only_loading
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).
@@ -54,6 +56,8 @@ def build_model(cfg: ModelConfig, data_spec: DataSpec):
             f"the data's inputs ({describe(data_spec.inputs)}) do not fit the model built by "
             f"model.build={cfg.build!r}: {type(error).__name__}: {error}"
         ) from None
+    if cfg.init_from:
+        load_initial_weights(model, cfg.init_from)
     return model
 
 
@@ -70,23 +74,71 @@ def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
 
 @contextmanager
 def without_weights():
-    """Variables created inside have their paths, shapes and dtypes but no values. Keras
-    would initialize them at the scope's exit, compiling and running every initializer
-    (seconds for a large model): they stay uninitialized, and out of Keras' list of
-    variables waiting for it, which the next scope's exit would initialize."""
+    """Variables created inside have their paths, shapes and dtypes but no values, and no
+    weights are read. Keras would initialize them at the scope's exit, compiling and running
+    every initializer (seconds for a large model): they stay uninitialized, and out of Keras'
+    list of variables waiting for it, which the next scope's exit would initialize.
+
+    A build function may create variables after the model is built (keras-hub's `enable_lora`,
+    a head added to a loaded model; a keras-hub task compiles itself with an optimizer, whose
+    step counter is created from a value) and load weights (`from_preset`, `load_weights`):
+    inside, a variable created from a value stays abstract too, and loading weights reads
+    their names and shapes only (checked against the model's), so the driver's checks cost
+    the same for a large pretrained model as for a tiny one."""
     import keras
     from keras.src.backend.common import global_state
 
     waiting = list(global_state.get_global_attribute("uninitialized_variables", []))
+    abstract = _ABSTRACT.set(True)
     try:
-        with keras.StatelessScope(initialize_variables=False):
+        with (
+            _abstract_values(),
+            shapes_only_loading(),
+            keras.StatelessScope(initialize_variables=False),
+        ):
             yield
     finally:
+        _ABSTRACT.reset(abstract)
         global_state.set_global_attribute("uninitialized_variables", waiting)
 
 
+_ABSTRACT = ContextVar("building_abstractly", default=False)
+
+
+def building_abstractly() -> bool:
+    """Inside `without_weights`: a build function may skip fetching weights (a keras-hub
+    preset given by a handle would otherwise be downloaded to the driver)."""
+    return _ABSTRACT.get()
+
+
+@contextmanager
+def _abstract_values():
+    """Keras refuses a variable created from a value in a stateless scope; made from an
+    initializer returning that value it stays abstract like the others."""
+    import numpy as np
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    original = KerasVariable.__init__
+
+    def init(self, initializer, shape=None, dtype=None, *args, **kwargs):
+        if not callable(initializer) and not isinstance(initializer, str):
+            value = initializer
+            shape = np.shape(value) if shape is None else shape
+            dtype = dtype or getattr(value, "dtype", None) or np.asarray(value).dtype
+            initializer = lambda shape, dtype=None: value  # noqa: E731
+        original(self, initializer, shape, dtype, *args, **kwargs)
+
+    KerasVariable.__init__ = init
+    try:
+        yield
+    finally:
+        KerasVariable.__init__ = original
+
+
 def variable_info(variable) -> VariableInfo:
-    return VariableInfo(variable.path, tuple(variable.shape), str(variable.dtype))
+    return VariableInfo(
+        variable.path, tuple(variable.shape), str(variable.dtype), bool(variable.trainable)
+    )
 
 
 def symbolic_inputs(data_spec: DataSpec):

@@ -1,15 +1,19 @@
-"""keras-hub backbones as causal language models (`model=hub`, the optional `hub` extra).
+"""keras-hub causal language models (`model=hub`, the optional `hub` extra).
 
-A backbone is built from its constructor sizes (random weights, nothing downloaded) and given
-the head keras-hub's own CausalLM tasks use: the token embedding reversed, so the logits reuse
-the embedding matrix. The wrapper reads one input, `tokens`; the padding mask is all ones
-(windows cut from token data have no padding).
+The model is a keras-hub `CausalLM` task: loaded from a preset (`model.preset`: its config,
+its weights, its tokenizer where it has one), or built from a backbone class's constructor
+sizes with random weights (`model.backbone`, `model.kwargs`). Either way it may be given
+LoRA (`model.lora_rank`: keras-hub's `enable_lora`, after which only the LoRA matrices
+train). A thin wrapper feeds it: a dict of `token_ids` and `padding_mask` (data=jsonl) goes
+through as it is; one array of token ids (windows cut from data=text or data=tokens, which
+have no padding) gets an all-ones padding mask.
 
 Its layout is the backbone class's own `get_layout_map` (Llama, Gemma, Qwen, ...), asked for
-our mesh axis names. Its keys are regexes full-matched against variable paths; the backbone's
+our mesh axis names. Its keys are regexes full-matched against variable paths; the task's
 variables keep the paths keras-hub gives them (`token_embedding/embeddings`,
 `transformer_layer_0/self_attention/query/kernel`, ...) inside the wrapper, because they are
-created, and laid out, when the backbone is constructed.
+created, and laid out, when the task is constructed. Weights are loaded after that, so each
+variable is placed with its layout as it loads.
 
 Only this module imports keras_hub, and only when called: the rest of the package works
 without the extra.
@@ -17,6 +21,7 @@ without the extra.
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -26,7 +31,6 @@ from training.config import ConfigError
 from training.contracts import MESH_AXES
 
 DATA_AXIS, MODEL_AXIS = MESH_AXES
-INPUT_NAME = "tokens"
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
 FED_INPUTS = {"token_ids", "padding_mask"}
 EXAMPLES_SHOWN = 8
@@ -79,38 +83,132 @@ def _own_layout(cls: type) -> bool:
     return callable(getattr(cls, "get_layout_map", None))
 
 
-def causal_lm(backbone: str, seq_len: int, **kwargs: Any) -> keras.Model:
-    """`keras_hub.models.<backbone>(**kwargs)` with a causal-LM head: int32 `tokens` of shape
-    (seq_len,) -> float32 logits (batch, seq_len, vocabulary). Uncompiled."""
+def causal_lm(
+    backbone: str = "",
+    preset: str = "",
+    lora_rank: int = 0,
+    lora_targets: list[str] | None = None,
+    **kwargs: Any,
+) -> keras.Model:
+    """A keras-hub CausalLM from `preset`, or from `backbone(**kwargs)` with random weights,
+    with LoRA of `lora_rank` where it is not 0, wrapped to take token ids: int32 tokens
+    (batch, sequence) or a dict of `token_ids` and `padding_mask` -> float32 logits
+    (batch, sequence, vocabulary). Uncompiled."""
+    task = _task_from_preset(preset) if preset else _task_from_sizes(backbone, kwargs)
+    inputs = task.backbone.input
+    if not (isinstance(inputs, dict) and set(inputs) <= FED_INPUTS):
+        reads = sorted(inputs) if isinstance(inputs, dict) else inputs
+        raise ConfigError(
+            f"{_named(backbone, preset)} is not a text model fed token ids and a padding mask "
+            f"(it reads {reads}); model=hub needs one, e.g. LlamaBackbone"
+        )
+    if lora_rank:
+        _enable_lora(task, lora_rank, lora_targets or None, _named(backbone, preset))
+    return HubCausalLM(task)
+
+
+def _named(backbone: str, preset: str) -> str:
+    return f"model.preset={preset!r}" if preset else f"model.backbone={backbone}"
+
+
+def _task_from_preset(preset: str):
+    """`CausalLM.from_preset`, its weights read only on the hosts (see `building_abstractly`),
+    its variables in the run's precision."""
+    from training.models import building_abstractly
+
+    keras_hub = _keras_hub()
+    try:
+        return keras_hub.models.CausalLM.from_preset(
+            preset,
+            load_weights=not building_abstractly(),
+            dtype=keras.config.dtype_policy().name,
+        )
+    except Exception as error:
+        raise ConfigError(
+            f"model.preset={preset!r} cannot be loaded as a keras-hub CausalLM: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
+
+
+def _task_from_sizes(backbone: str, kwargs: dict):
     cls = _backbone_class(backbone)
     try:
         net = cls(**kwargs)
     except TypeError as error:  # an unknown or missing constructor argument
         raise ConfigError(f"model.kwargs for {backbone}: {error}") from None
-    inputs = net.input
-    if not (
-        hasattr(net, "token_embedding") and isinstance(inputs, dict) and set(inputs) <= FED_INPUTS
-    ):
-        reads = sorted(inputs) if isinstance(inputs, dict) else inputs
+    keras_hub = _keras_hub()
+    tasks = [
+        task
+        for task in vars(keras_hub.models).values()
+        if isinstance(task, type)
+        and issubclass(task, keras_hub.models.CausalLM)
+        and getattr(task, "backbone_cls", None) is cls
+    ]
+    if not tasks:
         raise ConfigError(
-            f"model.backbone={backbone} is not a text backbone fed token ids and a padding mask "
-            f"(it reads {reads}); model=hub needs one, e.g. LlamaBackbone"
+            f"model.backbone={backbone} has no keras-hub CausalLM task; model=hub needs a "
+            "language model backbone, e.g. LlamaBackbone"
         )
-    tokens = keras.Input(shape=(seq_len,), dtype="int32", name=INPUT_NAME)
-    fed = {"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens, dtype="int32")}
-    hidden = net({key: fed[key] for key in inputs})
-    logits = net.token_embedding(hidden, reverse=True)
-    logits = keras.ops.cast(logits, "float32")
-    return keras.Model(inputs=tokens, outputs=logits, name=f"{net.name}_causal_lm")
+    return tasks[0](backbone=net, preprocessor=None)
 
 
-def layout_map(device_mesh: keras.distribution.DeviceMesh, backbone: str):
+def _enable_lora(task, rank: int, targets: list[str] | None, named: str) -> None:
+    backbone = task.backbone
+    backbone.enable_lora(rank, target_layer_names=targets)
+    if not backbone._lora_enabled_layers:
+        can = sorted(
+            {
+                layer.name
+                for layer in backbone._flatten_layers(include_self=False)
+                if hasattr(layer, "enable_lora")
+            }
+        )
+        raise ConfigError(
+            f"model.lora_targets={targets} names no layer of {named} that takes LoRA; "
+            f"its layers that do: {_examples(can)}"
+        )
+
+
+class HubCausalLM(keras.Model):
+    """A keras-hub CausalLM fed token ids, with or without their padding mask."""
+
+    def __init__(self, task, **kwargs):
+        super().__init__(name=f"{task.name}_fed", **kwargs)
+        self.task = task
+
+    def call(self, inputs):
+        if not isinstance(inputs, dict):
+            inputs = {"token_ids": inputs, "padding_mask": keras.ops.ones_like(inputs)}
+        fed = {key: inputs[key] for key in self.task.backbone.input}
+        return keras.ops.cast(self.task(fed), "float32")
+
+    def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:
+        """The task as a keras-hub preset: config, weights (LoRA merged into the kernels),
+        tokenizer where it has one."""
+        self.task.save_to_preset(preset_dir, max_shard_size=max_shard_size)
+
+    def save_lora_weights(self, path: str) -> None:
+        self.task.backbone.save_lora_weights(path)
+
+    @property
+    def tokenizer(self):
+        preprocessor = self.task.preprocessor
+        return preprocessor.tokenizer if preprocessor is not None else None
+
+
+def layout_map(
+    device_mesh: keras.distribution.DeviceMesh, backbone: str = "", preset: str = "", **kwargs
+):
     """The backbone class's own `get_layout_map`, for our mesh axes (`data`, `model`), plus a
-    layout for an untied output matrix when the map has none."""
-    cls = _backbone_class(backbone)
+    layout for an untied output matrix when the map has none. `kwargs`: the backbone's
+    constructor arguments, where it is built from them."""
+    if preset:
+        cls, config = _preset_config(preset)
+    else:
+        cls, config = _backbone_class(backbone), kwargs
     if not _own_layout(cls):
         raise ConfigError(
-            f"model.backbone={backbone} has no layout of its own (no get_layout_map); give "
+            f"{_named(cls.__name__, preset)} has no layout of its own (no get_layout_map); give "
             "model.layout_rules instead, with model.layout='': regex (full-matched against "
             "variable paths) -> one mesh axis (data, model or null) per dimension"
         )
@@ -121,12 +219,41 @@ def layout_map(device_mesh: keras.distribution.DeviceMesh, backbone: str):
     # `token_embedding/reverse_embeddings`, (hidden, vocabulary), which keras-hub 0.32's Llama
     # map does not mention: Keras would leave it whole on every device (as large as the
     # embedding). Split it as the embedding, transposed.
-    if not any(re.fullmatch(key, REVERSE_EMBEDDINGS) for key in layouts):
+    mentioned = any(re.fullmatch(key, REVERSE_EMBEDDINGS) for key in layouts)
+    if not mentioned and not _ties_embeddings(cls, config):
         embedding = layouts[EMBEDDINGS]
         if embedding is not None and len(embedding.axes) == 2:
             layouts[REVERSE_EMBEDDINGS] = tuple(reversed(embedding.axes))
     return layouts
 
 
+def _ties_embeddings(cls: type, config: dict) -> bool:
+    """Whether the backbone's output matrix is its embedding's (a class without the option,
+    such as Gemma, always ties them)."""
+    option = inspect.signature(cls.__init__).parameters.get("tie_word_embeddings")
+    if option is None:
+        return True
+    return bool(config.get("tie_word_embeddings", option.default))
+
+
+def _preset_config(preset: str) -> tuple[type, dict]:
+    """The backbone class a preset's config names, and its constructor arguments (read
+    without its weights)."""
+    from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_config_class, load_json
+
+    try:
+        config = load_json(preset, CONFIG_FILE)
+        return check_config_class(config), config.get("config", {})
+    except Exception as error:
+        raise ConfigError(
+            f"model.preset={preset!r} is not a keras-hub preset (a directory that "
+            f"save_to_preset wrote, or a handle): {type(error).__name__}: {error}"
+        ) from None
+
+
 def loss() -> keras.losses.Loss:
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    """Cross-entropy averaged over the tokens that carry weight: padding (and a prompt,
+    where the data has one) weighs 0 and does not count."""
+    return keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight"
+    )

@@ -1,0 +1,326 @@
+"""keras-hub presets in: a tiny Gemma and a tiny Llama preset written here offline
+(`tests/hub_presets.py`), loaded with `model.preset` on the 8 in-process CPU devices under
+model parallel 1 × 8 and hybrid 2 × 4, compared with the same preset on one device; text
+from a JSON-lines file through the preset's tokenizer; LoRA; weights from `model.init_from`;
+a user's own build function that loads a preset and adds LoRA. No Ray."""
+
+import json
+import re
+import textwrap
+
+import pytest
+
+pytest.importorskip("keras_hub")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests.conftest import run_config  # noqa: E402
+from tests.hub_presets import SEQ_LEN, write_instructions, write_preset  # noqa: E402
+from training.build import build_compiled, build_on_grid  # noqa: E402
+from training.config import ConfigError  # noqa: E402
+from training.data import build_dataset  # noqa: E402
+from training.driver.preflight import preflight  # noqa: E402
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("presets")
+    return {
+        "gemma": write_preset("gemma", root / "gemma"),
+        "llama": write_preset("llama", root / "llama"),
+        "no_tokenizer": write_preset("gemma", root / "bare", with_tokenizer=False),
+        "jsonl": write_instructions(root / "train.jsonl"),
+    }
+
+
+def preset_overrides(presets, family: str, *more: str) -> list[str]:
+    return [
+        "model=hub",
+        f"model.preset={presets[family]}",
+        f"model.seq_len={SEQ_LEN}",
+        "data=jsonl",
+        f"data.path={presets['jsonl']}",
+        "cluster.hosts=1",
+        "cluster.devices_per_host=8",
+        f"trainer.global_batch={BATCH}",
+        *more,
+    ]
+
+
+def one_device_loss(preset, x, y, weights) -> float:
+    """keras-hub's own CausalLM from the preset, on one device, its cross-entropy averaged by
+    hand over the weighted tokens."""
+    import keras_hub
+
+    keras.distribution.set_distribution(None)
+    model = keras_hub.models.CausalLM.from_preset(str(preset), preprocessor=None)
+    logits = np.asarray(model(x), np.float64)
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[..., None]
+        - logits.max(-1, keepdims=True)
+    )
+    picked = np.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
+    return float(-(picked * weights).sum() / weights.sum())
+
+
+def grid_of(data: int, model: int) -> np.ndarray:
+    return np.array(jax.devices()).reshape(data, model)
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+@pytest.mark.parametrize(
+    "strategy,shape", [("model_parallel", (1, 8)), ("hybrid", (2, 4))], ids=["1x8", "2x4"]
+)
+def test_a_preset_loads_laid_out_by_its_backbone_and_its_first_loss_is_one_devices(
+    presets, family, strategy, shape
+):
+    import keras_hub
+
+    cfg = run_config(
+        preset_overrides(
+            presets,
+            family,
+            f"strategy={strategy}",
+            f"mesh.data={shape[0]}",
+            f"mesh.model={shape[1]}",
+            "optimizer.learning_rate=0.01",
+        )
+    )
+    try:
+        model, dataset = build_on_grid(cfg, grid_of(*shape))
+        specs = {v.path: tuple(v.value.sharding.spec) for v in model.variables}
+        mesh = keras.distribution.DeviceMesh(shape, ["data", "model"], devices=jax.devices())
+        backbone = type(model.task.backbone)
+        assert backbone is getattr(keras_hub.models, f"{family.title()}Backbone")
+        layouts = backbone.get_layout_map(mesh, "model", "data")
+        for key in layouts:
+            matched = [path for path in specs if re.fullmatch(key, path)]
+            assert matched, key
+            for path in matched:
+                assert specs[path] == tuple(layouts[key].axes), path
+        x, y, weights = dataset.batch("train", 0, BATCH, slice(0, BATCH))
+        losses = [model.train_on_batch(x, y, weights, return_dict=True)["loss"] for _ in range(4)]
+    finally:
+        keras.distribution.set_distribution(None)
+    assert losses[0] == pytest.approx(one_device_loss(presets[family], x, y, weights), rel=1e-4)
+    assert losses[-1] < losses[0], losses
+
+
+def test_text_is_packed_as_keras_hubs_preprocessor_packs_it(presets):
+    """One text field: the rows equal keras-hub's own CausalLMPreprocessor's output."""
+    import keras_hub
+
+    dataset = build_dataset(run_config(preset_overrides(presets, "gemma")).data)
+    x, y, weights = dataset.batch("held_out", 0, 4, slice(0, 4))
+    lines = presets["jsonl"].read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in lines[-5:-1]]  # the held-out lines, in order
+    preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(
+        str(presets["gemma"]), sequence_length=SEQ_LEN
+    )
+    want_x, want_y, want_weights = preprocessor(texts)
+    np.testing.assert_array_equal(x["token_ids"], want_x["token_ids"])
+    np.testing.assert_array_equal(x["padding_mask"], want_x["padding_mask"])
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(weights, want_weights)
+    assert dataset.spec.num_classes == preprocessor.tokenizer.vocabulary_size()
+
+
+def test_prompt_and_padding_carry_no_loss(presets):
+    """A prompt and a response field: the run's loss on one device equals a cross-entropy
+    over the response tokens only, masked by hand from the tokenized prompt and response."""
+    import keras_hub
+
+    cfg = run_config(
+        preset_overrides(
+            presets, "gemma", "data.prompt_field=prompt", "data.response_field=response"
+        )
+    )
+    dataset = build_dataset(cfg.data)
+    x, y, weights = dataset.batch("train", 0, 4, slice(0, 4))
+    tokenizer = keras_hub.models.CausalLMPreprocessor.from_preset(str(presets["gemma"])).tokenizer
+    records = [json.loads(line) for line in presets["jsonl"].read_text().splitlines()]
+    by_hand = np.zeros_like(weights)
+    for row, line in enumerate(dataset.rows("train", 0, 4, slice(0, 4))):
+        prompt = len(tokenizer([records[line]["prompt"]])[0])
+        response = len(tokenizer([records[line]["response"]])[0])
+        # Labels are the next tokens: the prompt's last token predicts the response's first;
+        # the response's last predicts the end token, which is learned too.
+        first, last = prompt, min(prompt + response + 1, SEQ_LEN)
+        by_hand[row, first:last] = 1
+    assert by_hand.sum() > 0 and (by_hand == 0).any()
+    keras.distribution.set_distribution(None)
+    model = build_compiled(cfg, dataset.spec)
+    loss = model.test_on_batch(x, y, weights, return_dict=True)["loss"]
+    assert loss == pytest.approx(one_device_loss(presets["gemma"], x, y, by_hand), rel=1e-5)
+
+
+USER_MODULE = '''
+import keras
+import keras_hub
+
+
+def build(preset):
+    """A user's fine-tuning model: a preset loaded with its weights, then LoRA added."""
+    model = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None)
+    model.backbone.enable_lora(rank=4)
+    return model
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def layout(device_mesh):
+    return keras_hub.models.GemmaBackbone.get_layout_map(device_mesh, "model", "data")
+'''
+
+
+@pytest.fixture
+def counted_weight_reads(monkeypatch):
+    """How many times a weight file's array was read (h5py datasets' values)."""
+    import h5py
+
+    reads = []
+    for name in ("__getitem__", "__array__", "read_direct"):
+        original = getattr(h5py.Dataset, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            reads.append(self.name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(h5py.Dataset, name, counting)
+    return reads
+
+
+def test_a_users_build_that_loads_a_preset_and_adds_lora_runs_under_model_parallel(
+    presets, tmp_path, monkeypatch, counted_weight_reads
+):
+    """The driver's checks build it without reading a weight; on the 1 × 8 mesh it loads the
+    preset's weights and only the LoRA matrices train."""
+    (tmp_path / "my_lora.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.chdir(tmp_path)
+    cfg = run_config(
+        [
+            "model=keras",
+            "model.build=my_lora:build",
+            "model.loss=my_lora:loss",
+            "model.layout=my_lora:layout",
+            f"+model.kwargs.preset={presets['gemma']}",
+            "data=jsonl",
+            f"data.path={presets['jsonl']}",
+            f"data.tokenizer={presets['gemma']}",
+            f"data.seq_len={SEQ_LEN}",
+            "strategy=model_parallel",
+            "mesh.model=8",
+            "cluster.hosts=1",
+            "cluster.devices_per_host=8",
+            f"trainer.global_batch={BATCH}",
+            "optimizer.learning_rate=0.01",
+        ]
+    )
+    checked = preflight(cfg)
+    assert counted_weight_reads == []
+    trained = {v.path for v in checked.variables if v.trainable}
+    assert trained and all("lora_kernel" in path for path in trained)
+    try:
+        model, dataset = build_on_grid(cfg, grid_of(1, 8))
+        assert counted_weight_reads  # the hosts do read the preset's weights
+        before = {v.path: np.asarray(v.value) for v in model.variables}
+        x, y, weights = dataset.batch("train", 0, BATCH, slice(0, BATCH))
+        for _ in range(2):  # LoRA's b starts at zero: a moves from the second step
+            model.train_on_batch(x, y, weights)
+        after = {v.path: np.asarray(v.value) for v in model.variables}
+    finally:
+        keras.distribution.set_distribution(None)
+    changed = {path for path in before if not np.array_equal(before[path], after[path])}
+    assert changed == trained
+
+
+def test_init_from_an_earlier_export_starts_from_its_weights(tmp_path):
+    """model.init_from with a model exported as a run exports it: the first loss is the
+    exported model's own in plain Keras, on the same batch."""
+    from training.checkpoint.export import export_model
+
+    keras.distribution.set_distribution(None)
+    earlier_cfg = run_config(["trainer.global_batch=32"])
+    dataset = build_dataset(earlier_cfg.data)
+    earlier = build_compiled(earlier_cfg, dataset.spec)
+    x, y = dataset.batch("train", 0, 32, slice(0, 32))
+    for _ in range(3):
+        earlier.train_on_batch(x, y)
+    exported = export_model(earlier, str(tmp_path / "model.keras"))
+
+    cfg = run_config(["trainer.global_batch=32", f"model.init_from={exported}"])
+    preflight(cfg)
+    started = build_compiled(cfg, dataset.spec)
+    x, y = dataset.batch("train", 1, 32, slice(0, 32))
+    plain = keras.saving.load_model(exported)
+    expected = plain.test_on_batch(x, y, return_dict=True)["loss"]
+    assert started.test_on_batch(x, y, return_dict=True)["loss"] == pytest.approx(expected)
+    fresh = build_compiled(run_config(["trainer.global_batch=32"]), dataset.spec)
+    assert fresh.test_on_batch(x, y, return_dict=True)["loss"] != pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def other_mlp_weights(tmp_path_factory):
+    """Weights of a wider MLP than the default's."""
+    keras.distribution.set_distribution(None)
+    cfg = run_config(["model.kwargs.hidden=128"])
+    path = tmp_path_factory.mktemp("weights") / "wider.weights.h5"
+    build_compiled(cfg, build_dataset(cfg.data).spec).save_weights(str(path))
+    return path
+
+
+def bad_input_cases():
+    return [
+        (["model=hub", "model.preset={tmp}/nowhere"], r"model.preset=.*nowhere.* cannot be"),
+        (
+            ["model=hub", "model.preset={no_tokenizer}", "data=jsonl", "data.path={jsonl}"],
+            r"data=jsonl tokenizes with the preset .*bare.*, which has no CausalLM tokenizer",
+        ),
+        (
+            ["model=keras", "model.build=a:b", "model.loss=mse", "data=jsonl", "data.path={jsonl}"],
+            r"data=jsonl needs a tokenizer",
+        ),
+        (
+            [
+                "model=hub",
+                "model.preset={gemma}",
+                "data=jsonl",
+                "data.path={jsonl}",
+                "data.field=body",
+            ],
+            r"has no text field 'body' \(its fields: \['prompt', 'response', 'text'\]\)",
+        ),
+        (
+            ["model=hub", "model.preset={gemma}", "model.lora_rank=4", "model.lora_targets=[qkv]"],
+            r"model.lora_targets=\['qkv'\] names no layer .* that takes LoRA.*query",
+        ),
+        (["model=hub", "export.lora_only=true"], r"export.lora_only .* model.lora_rank"),
+        (["model.init_from={tmp}/missing.keras"], r"model.init_from=.*missing.keras.* does not"),
+        (
+            ["model.init_from={wider}"],
+            r"model.init_from=.*wider.weights.h5.* does not fit the model: .*"
+            r"block_0_up/kernel has shape \(64, 256\), the stored value \(64, 128\); not loaded: "
+            r"block_0_up, block_0_down, block_1_up and 1 more",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("overrides,message", bad_input_cases())
+def test_bad_fine_tuning_input_is_one_config_error(
+    presets, other_mlp_weights, tmp_path, overrides, message
+):
+    paths = {
+        "tmp": tmp_path,
+        "wider": other_mlp_weights,
+        **{name: path for name, path in presets.items()},
+    }
+    keras.distribution.set_distribution(None)
+    with pytest.raises(ConfigError, match=message):
+        preflight(run_config([o.format(**paths) for o in overrides]))
