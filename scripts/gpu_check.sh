@@ -2,7 +2,9 @@
 # GPU check, on a machine with an NVIDIA GPU: installs the `cuda` extra into .venv, runs
 # `python -m training.run` on the local GPU (detected: 1 host × 1 GPU, GPU 0) with a
 # transformer big enough that a bfloat16 step takes >= 5 ms, prints its examples/s and model
-# FLOPs utilisation, then benchmark 1 (scripts/bench_overhead.py) on the GPU. Every figure is
+# FLOPs utilisation, then benchmark 1 (scripts/bench_overhead.py) on the GPU, then a LoRA
+# fine-tune of a Gemma preset (~150M parameters, random weights, made offline by
+# scripts/make_preset.py) in bfloat16: tokens/s and the GPU's peak memory. Every figure is
 # printed; nothing is compared against a threshold except the 5 ms step check.
 #
 #   scripts/gpu_check.sh            # PEAK_TFLOPS=989 to give the GPU's bf16 peak yourself
@@ -72,4 +74,33 @@ PY
 echo "== benchmark 1 (scripts/bench_overhead.py) on GPU 0"
 python scripts/bench_overhead.py --gpu --loop-overrides trainer.precision=bfloat16 2>&1 \
     | tee "$OUT/bench_overhead.log"
+echo "== LoRA fine-tune of a Gemma preset in bfloat16 on GPU 0"
+python scripts/make_preset.py "$OUT/ft" --hidden 1024 --layers 8 --vocab 8000
+FT=(
+    model=hub "model.preset=$OUT/ft/preset" model.lora_rank=4 model.seq_len=256
+    data=jsonl "data.path=$OUT/ft/train.jsonl" optimizer=adamw optimizer.learning_rate=1e-4
+    trainer.precision=bfloat16 trainer.global_batch=16 trainer.steps=60
+    trainer.log_interval=10 trainer.eval_batches=0 'cluster.gpus=[0]'
+)
+# JAX takes 75% of the GPU up front by default; without that, nvidia-smi shows what is used.
+(while sleep 0.5; do
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0
+done) > "$OUT/ft_memory.log" &
+SAMPLER=$!
+XLA_PYTHON_CLIENT_PREALLOCATE=false python -m training.run "${FT[@]}" "hydra.run.dir=$OUT/ft/run" \
+    2>&1 | tee "$OUT/ft.log"
+kill "$SAMPLER"
+python - "$OUT/ft/run/summary.json" "$OUT/ft_memory.log" <<'PY'
+import json, sys
+
+summary = json.load(open(sys.argv[1]))
+seq_len = summary["config"]["model"]["seq_len"]
+used = [int(line) for line in open(sys.argv[2]) if line.strip().isdigit()]
+print(f"status {summary['status']}; parameters {summary['parameters']:,}, "
+      f"{summary['parameters_trained']:,} trained (LoRA)")
+print(f"tokens/s {summary['examples_per_second'] * seq_len:,.0f} "
+      f"({summary['examples_per_second']:.1f} examples of {seq_len} tokens); "
+      f"final loss {summary['final_loss']:.4f}")
+print(f"GPU 0 peak memory used {max(used, default=0):,} MiB (nvidia-smi, every 0.5 s)")
+PY
 echo "== done; logs in $OUT"

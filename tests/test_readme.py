@@ -75,7 +75,13 @@ def first_trial(args: tuple[str, ...]) -> list[str]:
 
 def test_the_readme_shows_each_cli():
     modules = {command.module for command in COMMANDS}
-    assert modules == {"training.run", "training.plan", "training.report", "training.export"}
+    assert modules == {
+        "training.run",
+        "training.plan",
+        "training.report",
+        "training.export",
+        "training.generate",
+    }
     assert any(c.cwd == ROOT / "examples" for c in COMMANDS)
 
 
@@ -90,6 +96,26 @@ def test_each_run_command_composes_as_written(command, monkeypatch):
 def test_each_plan_command_runs_as_written(command, monkeypatch):
     monkeypatch.chdir(command.cwd)
     assert plan.main(list(command.args)) == 0
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if c.module == "training.generate"], ids=str
+)
+def test_each_generate_command_runs_on_an_exported_preset(command, tmp_path, monkeypatch, capsys):
+    """`<run dir>/preset` stands for what a model=hub run exports: a tiny preset here."""
+    pytest.importorskip("keras_hub")
+    from tests.hub_presets import write_preset
+    from training import generate
+
+    preset = write_preset("gemma", tmp_path / "preset")
+    args = [str(preset) if a.endswith("/preset") else a for a in command.args]
+    monkeypatch.chdir(command.cwd)
+    assert generate.main([*args, "--max-length", "48"]) == 0
+    import keras_hub
+
+    tokenizer = keras_hub.models.CausalLMPreprocessor.from_preset(str(preset)).tokenizer
+    prompt = tokenizer.detokenize(tokenizer([args[1]]))[0]  # as the tiny vocabulary spells it
+    assert capsys.readouterr().out.strip().startswith(prompt.strip())
 
 
 @pytest.mark.ray
