@@ -324,3 +324,30 @@ def test_bad_fine_tuning_input_is_one_config_error(
     keras.distribution.set_distribution(None)
     with pytest.raises(ConfigError, match=message):
         preflight(run_config([o.format(**paths) for o in overrides]))
+
+
+def test_an_auto_layout_of_a_lora_model_splits_the_frozen_weights_too(presets):
+    """LoRA freezes the base weights, which still fill each device: the automatic layout
+    splits them over `model` as without LoRA; the small LoRA matrices stay whole."""
+    from training.models import rule_axes
+
+    def derived(lora_rank: int) -> dict:
+        cfg = run_config(
+            preset_overrides(
+                presets,
+                "gemma",
+                f"model.lora_rank={lora_rank}",
+                "strategy=hybrid",
+                "mesh.data=2",
+                "mesh.model=4",
+                "strategy.layout=auto",
+            )
+        )
+        checked = preflight(cfg)
+        return {v.path: rule_axes(v.path, checked.layout.rules) for v in checked.variables}
+
+    with_lora, without = derived(4), derived(0)
+    kernel = "decoder_block_0/attention/query/kernel"
+    assert "model" in with_lora[kernel]
+    assert {p: a for p, a in with_lora.items() if "lora" not in p} == without
+    assert not any(a for p, a in with_lora.items() if "lora" in p)

@@ -76,7 +76,9 @@ def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> Auto
     graph = layer_graph.graph(model)
     if graph is not None:
         chooser.run(*graph)
-    for variable in model.trainable_variables:  # those the walk did not reach
+    # Those the walk did not reach; frozen weights too (LoRA's base kernels), which take
+    # the same memory as trained ones.
+    for variable in model.weights:
         chooser.weight_axes(variable)
     chooser.split_biases(model)
     chooser.split_small_matrices()

@@ -1,6 +1,7 @@
 """A Keras model's layer graph, for an analysis that follows activations through it (the
 tensor-parallel derivation, the automatic layout): its nodes in execution order, for a
-functional or Sequential model, for a subclassed model whose `call` runs on symbolic inputs,
+functional or Sequential model, for a subclassed model whose `call` runs on symbolic inputs
+or that wraps one functional model,
 and for a layer of the user's own made of layers (followed through its `call`); and the
 lengths Keras leaves unknown in a node's output, filled from its inputs.
 """
@@ -21,6 +22,7 @@ def graph(model) -> Graph | None:
     """The model's layer graph, or None."""
     functional = model if hasattr(model, "_nodes_by_depth") else None
     functional = functional or getattr(model, "_functional", None)  # Sequential
+    functional = functional or _wrapped(model)
     if functional is None:
         functional = _traced(model)
     if functional is None:
@@ -33,6 +35,15 @@ def graph(model) -> Graph | None:
         if node.operation is not None and not node.is_input
     ]
     return Graph(list(functional.inputs), list(functional.outputs), nodes)
+
+
+def _wrapped(model):
+    """The functional model a thin subclassed wrapper holds as its one layer (`model=hub`'s
+    feeds a keras-hub task): the wrapper's own `call` adds no weights to follow."""
+    layers = getattr(model, "layers", None) or []
+    if len(layers) == 1 and hasattr(layers[0], "_nodes_by_depth"):
+        return layers[0]
+    return None
 
 
 def _traced(model):

@@ -73,7 +73,7 @@ def model_axis_collectives(
 
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
-    for variable in model.trainable_variables:
+    for variable in model.weights:
         if "model" in rule_axes(variable.path, rules):
             found += gathered_weight(variable.path, array_bytes(variable.shape, variable.dtype), n)
     return found
@@ -367,7 +367,7 @@ class Derivation:
         """A layer or op with no known contraction: elementwise, a norm, a reshape, or a layer
         of the user's own whose weights, if split, are treated as elementwise operands when
         their shape broadcasts to the output's, else gathered."""
-        weights = [w for w in getattr(layer, "trainable_weights", None) or [] if w is not None]
+        weights = [w for w in getattr(layer, "weights", None) or [] if w is not None]
         split_weights = [w for w in weights if "model" in self.weight_axes(w)]
         shapes = {tuple(t.shape) for t in outs}
         elementwise = len(shapes) == 1 and all(
