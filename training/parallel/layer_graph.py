@@ -1,7 +1,7 @@
 """A Keras model's layer graph, for an analysis that follows activations through it (the
 tensor-parallel derivation, the automatic layout): its nodes in execution order, for a
 functional or Sequential model, for a subclassed model whose `call` runs on symbolic inputs
-or that wraps one functional model,
+(one array or a dict of them),
 and for a layer of the user's own made of layers (followed through its `call`); and the
 lengths Keras leaves unknown in a node's output, filled from its inputs.
 """
@@ -22,7 +22,6 @@ def graph(model) -> Graph | None:
     """The model's layer graph, or None."""
     functional = model if hasattr(model, "_nodes_by_depth") else None
     functional = functional or getattr(model, "_functional", None)  # Sequential
-    functional = functional or _wrapped(model)
     if functional is None:
         functional = _traced(model)
     if functional is None:
@@ -37,15 +36,6 @@ def graph(model) -> Graph | None:
     return Graph(list(functional.inputs), list(functional.outputs), nodes)
 
 
-def _wrapped(model):
-    """The functional model a thin subclassed wrapper holds as its one layer (`model=hub`'s
-    feeds a keras-hub task): the wrapper's own `call` adds no weights to follow."""
-    layers = getattr(model, "layers", None) or []
-    if len(layers) == 1 and hasattr(layers[0], "_nodes_by_depth"):
-        return layers[0]
-    return None
-
-
 def _traced(model):
     """A subclassed model's graph: its `call` run on symbolic inputs of the shapes it was built
     with records a node per layer (and per keras.ops call), as a functional model has."""
@@ -56,14 +46,17 @@ def _traced(model):
     shapes = getattr(model, "_build_shapes_dict", None)
     if not shapes or len(shapes) != 1:
         return None
-    shape = tuple(next(iter(shapes.values())))
+    shape = next(iter(shapes.values()))
     for dtype in ("float32", "int32"):
         try:
-            inputs = keras.KerasTensor(shape, dtype=dtype)
+            if isinstance(shape, dict):  # named inputs (model=hub's token ids and mask)
+                inputs = {k: keras.KerasTensor(tuple(s), dtype=dtype) for k, s in shape.items()}
+            else:
+                inputs = keras.KerasTensor(tuple(shape), dtype=dtype)
             # As Keras calls it (the same variable paths), creating no real variables.
             with keras.StatelessScope(), name_scope(model.name, caller=model):
                 outputs = model.call(inputs)
-            return Function(inputs, outputs)
+            return Function(keras.tree.flatten(inputs), outputs)
         except Exception:  # noqa: BLE001 - a call that cannot run symbolically: no graph
             continue
     return None

@@ -79,6 +79,12 @@ def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     return found
 
 
+def kernel_variable(layer):
+    """A Dense or EinsumDense layer's kernel variable: with LoRA on, `layer.kernel` is the
+    kernel plus LoRA's product, computed, and the variable is `_kernel`."""
+    return layer._kernel if getattr(layer, "lora_enabled", False) else layer.kernel
+
+
 def _split_dim(axes: tuple[str | None, ...]):
     return axes.index("model") if "model" in axes else REPLICATED
 
@@ -204,13 +210,13 @@ class Derivation:
             key = value if key is None else key
             self._attention(layer, query, value, key, outs[0])
         elif isinstance(layer, keras.layers.EinsumDense):
-            state = self._einsum(layer.equation, ins[0], layer.kernel, outs[0], path)
+            state = self._einsum(layer.equation, ins[0], kernel_variable(layer), outs[0], path)
             self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Dense) and len(ins) == 1:
             rank = len(ins[0].shape)
             letters = string.ascii_lowercase[:rank]
             equation = f"{letters},{letters[-1]}z->{letters[:-1]}z"
-            state = self._einsum(equation, ins[0], layer.kernel, outs[0], path)
+            state = self._einsum(equation, ins[0], kernel_variable(layer), outs[0], path)
             self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
             self._embedding(layer, ins[0], outs[0], path)
@@ -345,7 +351,7 @@ class Derivation:
             (layer._value_dense, value),
         ):
             out = keras.KerasTensor(dense.compute_output_shape(x.shape), dtype=x.dtype)
-            state = self._einsum(dense.equation, x, dense.kernel, out, dense.path)
+            state = self._einsum(dense.equation, x, kernel_variable(dense), out, dense.path)
             self.set_output(dense.path, out, state)
             projected.append(out)
         q, k, v = projected
@@ -359,7 +365,7 @@ class Derivation:
                 self.state[id(t)] = REPLICATED
             self.state[id(context)] = REPLICATED
         dense = layer._output_dense
-        state = self._einsum(dense.equation, context, dense.kernel, y, dense.path)
+        state = self._einsum(dense.equation, context, kernel_variable(dense), y, dense.path)
         self.set_output(dense.path, y, state)
         self.set_output(layer.path, y, self._get(y))
 
