@@ -137,7 +137,7 @@ def test_lora_fine_tuning_of_a_preset_on_two_hosts_trains_only_lora_and_exports_
     from tests.hub_presets import write_instructions, write_preset
     from training import generate
     from training.data import build_dataset
-    from training.export import restored_model
+    from training.export import export_checkpoint, restored_model
     from training.run import run_training
 
     preset = write_preset("llama", tmp_path / "llama")
@@ -193,6 +193,7 @@ def test_lora_fine_tuning_of_a_preset_on_two_hosts_trains_only_lora_and_exports_
     for variable in trained.variables:
         if variable.path in base:
             np.testing.assert_array_equal(np.asarray(variable.value), base[variable.path])
+    assert export_checkpoint(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "preset")
     exported = summary["exported_model"]
     assert exported == str(tmp_path / "run" / "preset")
     plain = keras_hub.models.CausalLM.from_preset(exported)

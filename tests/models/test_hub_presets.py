@@ -350,3 +350,25 @@ def test_an_auto_layout_of_a_lora_model_splits_the_frozen_weights_too(presets):
     kernel = "decoder_block_0/attention/query/kernel"
     assert "model" in with_lora[kernel]
     assert {p: a for p, a in with_lora.items() if "lora" not in p} == without
+
+
+def test_lora_only_export_is_keras_hubs_lora_weights(presets, tmp_path):
+    """export.lora_only writes what keras-hub's `load_lora_weights` reads back: the preset
+    with those LoRA weights gives the trained model's logits."""
+    import keras_hub
+
+    from training.checkpoint.export import export_model
+
+    keras.distribution.set_distribution(None)
+    cfg = run_config(preset_overrides(presets, "gemma", "model.lora_rank=4"))
+    dataset = build_dataset(cfg.data)
+    model = build_compiled(cfg, dataset.spec)
+    x, y, weights = dataset.batch("train", 0, BATCH, slice(0, BATCH))
+    for _ in range(2):
+        model.train_on_batch(x, y, weights)
+    path = export_model(model, str(tmp_path / "model.lora.h5"), lora_only=True)
+    assert path.endswith(".lora.h5")
+    reloaded = keras_hub.models.CausalLM.from_preset(str(presets["gemma"]), preprocessor=None)
+    reloaded.backbone.enable_lora(rank=4)
+    reloaded.backbone.load_lora_weights(path)
+    np.testing.assert_allclose(reloaded(x), model(x), rtol=1e-5, atol=1e-6)
