@@ -5,7 +5,8 @@ started with Ray's own `ray.cluster_utils.Cluster` in this separate process (a t
 process may already be connected to another Ray instance). Prints one JSON line with the
 cluster's addresses and its host nodes' ids, then runs until its stdin closes.
 
-Usage: python multinode_cluster.py HOSTS CPUS_PER_HOST HOST_RESOURCE
+Usage: python multinode_cluster.py HOSTS CPUS_PER_HOST HOST_RESOURCE [HEAD_CPUS]
+(HOSTS 0: one node, the head, of HEAD_CPUS CPUs, as `ray start --head` starts one).
 """
 
 import json
@@ -23,11 +24,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def main(hosts: int, cpus_per_host: int, host_resource: str) -> None:
+def main(hosts: int, cpus_per_host: int, host_resource: str, head_cpus: int) -> None:
     # Ports of its own: another Ray instance on this machine (the test session's) may hold
     # the defaults, and a head whose dashboard agent cannot bind takes no jobs.
     head = {
-        "num_cpus": 1,
+        "num_cpus": head_cpus,
         "include_dashboard": True,
         "dashboard_port": free_port(),
         "dashboard_agent_listen_port": free_port(),
@@ -59,4 +60,4 @@ def main(hosts: int, cpus_per_host: int, host_resource: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int((sys.argv[4:] or [1])[0]))

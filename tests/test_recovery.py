@@ -99,6 +99,7 @@ def interrupt_once_hosts_start(output_dir: Path) -> dict:
     return while_running(output_dir, lambda _: bool(alive_actors("HostActor")), act)
 
 
+@pytest.mark.timeout(600)  # three runs: room on a loaded machine
 def test_ctrl_c_then_resumes_on_1_host_then_on_2_match_one_whole_run(uninterrupted, tmp_path):
     """A hybrid (2, 4) run: Ctrl-C'd on 2 hosts × 4 devices, resumed on 1 host × 8 devices,
     resumed again on 2 × 4: each resume reshards the arrays a different number of processes
@@ -180,9 +181,10 @@ def process_state(pid: int) -> str | None:
         (
             signal.SIGSTOP,
             ["strategy=model_parallel", "mesh.model=8", "trainer.accumulate=2"]
-            + ["fault.step_timeout_s=10"],
-            r"^no progress: host [01] silent for \d+ s\b.*over fault.step_timeout_s=10",
-            10,
+            # Headroom for a step and a save every step on a loaded machine.
+            + ["fault.step_timeout_s=20"],
+            r"^no progress: host [01] silent for \d+ s\b.*over fault.step_timeout_s=20",
+            20,
         ),
     ],
     ids=["killed", "stalled"],

@@ -62,7 +62,9 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         # OpenBLAS's fork handler (seen in CI, with preflight's synthetic data). The checks
         # (the data, the model built abstractly) run while the hosts' actors start in their
         # own processes and import their libraries; a failed check stops them.
-        with ray_session(cfg.cluster):
+        with ray_session(cfg.cluster) as connected:
+            if connected:
+                console.print(connected, highlight=False, soft_wrap=True)
             hosts = HostGroup.request(cfg.cluster)
             try:
                 checked = preflight(cfg)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from ipaddress import ip_address
 from pathlib import Path
@@ -21,7 +22,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from examples import make_data
 from tests.conftest import FAST, run_config
 from training.config import ConfigError, RayClusterConfig
-from training.driver.cluster import Node, host_bundle, sized_from_nodes
+from training.driver.cluster import Node, host_bundle, join_running, sized_from_nodes
 from training.host.actor import host_environment
 from training.run import run_training
 
@@ -143,10 +144,11 @@ class MultiNodeCluster:
         return json.loads(listing.stdout) if listing.stdout.lstrip().startswith("[") else []
 
 
-@pytest.fixture(scope="module")
-def multinode_cluster(tmp_path_factory):
-    """A head node and two host nodes (4 CPUs and the host resource each), with token
-    authentication on and a token of its own, started in a separate process."""
+@contextmanager
+def cluster_process(log_dir: Path, hosts: int, cpus_per_host: int, head_cpus: int = 1):
+    """A head node of `head_cpus` CPUs and `hosts` host nodes (`cpus_per_host` CPUs and the
+    host resource each), with token authentication on and a token of its own, started in a
+    separate process."""
     bin_dir = str(Path(sys.executable).parent)  # `python` and `ray` of this venv in jobs
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(
@@ -154,10 +156,17 @@ def multinode_cluster(tmp_path_factory):
         RAY_AUTH_TOKEN=secrets.token_hex(16),
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
     )
-    log = tmp_path_factory.mktemp("multinode") / "cluster.log"
+    log = log_dir / "cluster.log"
+    sizes = [str(n) for n in (hosts, cpus_per_host)]
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "multinode_cluster.py"), "2", "4", HOST_RESOURCE],
+            [
+                sys.executable,
+                str(REPO / "tests" / "multinode_cluster.py"),
+                *sizes,
+                HOST_RESOURCE,
+                str(head_cpus),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -174,6 +183,46 @@ def multinode_cluster(tmp_path_factory):
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def multinode_cluster(tmp_path_factory):
+    """A head node and two host nodes (4 CPUs and the host resource each)."""
+    with cluster_process(tmp_path_factory.mktemp("multinode"), hosts=2, cpus_per_host=4) as c:
+        yield c
+
+
+JOIN = """
+import sys, ray
+from training.config import compose_run_config
+from training.driver.cluster import join_running
+print(repr(join_running(compose_run_config(sys.argv[1:]).cluster)))
+ray.shutdown()
+"""
+
+
+def test_a_local_run_joins_a_running_one_node_instance_only_with_room(tmp_path):
+    """`ray start --head` as a user keeps it (one node, 4 CPUs): a local run of 2 hosts
+    joins it and says so; one of 8 hosts, which it has no room for, does not, nor one told
+    not to."""
+    with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
+
+        def joined(*overrides: str) -> str:
+            result = subprocess.run(
+                [sys.executable, "-c", JOIN, *overrides],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=single.env,
+                timeout=120,
+            )
+            assert result.returncode == 0, result.stderr[-2000:]
+            return result.stdout.strip().splitlines()[-1]
+
+        assert f"the running local instance at {single.address}" in joined()
+        assert joined("cluster.hosts=8") == "''"
+    told_not_to = run_config(["cluster.use_running=false"]).cluster
+    assert join_running(told_not_to) == ""  # before looking for one
 
 
 def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run(

@@ -88,9 +88,10 @@ def test_trials_run_as_separate_host_groups_two_at_once_and_a_bad_one_fails_alon
         "cluster.devices_per_host=2",
         "strategy=hybrid",
         "mesh.model=1,2,3,4",
-        # Room for two 2-host trials: the third valid one queues for longer than this.
+        # Room for two 2-host trials: the third valid one queues while they train, which
+        # placement_timeout_s does not count (it bounds the wait for room that is there).
         "cluster.num_cpus=4",
-        "cluster.placement_timeout_s=2",
+        "cluster.placement_timeout_s=20",
     )
     message = "mesh.model=3 does not divide the cluster's 4 devices (2 hosts × 2 devices)"
     assert result.returncode == 1
@@ -152,24 +153,3 @@ def test_optuna_searches_for_the_lowest_loss_through_the_same_launcher(tmp_path)
     assert best.best_value == pytest.approx(rows[0]["eval_loss"])  # the held-out loss
     chosen = f"optimizer.learning_rate={best.best_params['optimizer.learning_rate']}"
     assert chosen in rows[0]["overrides"]
-
-
-@pytest.mark.ray
-def test_a_finished_sweep_run_again_trains_nothing_and_lists_each_trial(tmp_path):
-    """Each trial resumes from its own checkpoints; one that already reaches trainer.steps
-    is complete, with the figures its checkpoint kept."""
-    args = ["optimizer.learning_rate=1e-3,3e-3", "cluster.hosts=1", "cluster.devices_per_host=2"]
-    args += [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2"]
-    first, first_dir = sweep(tmp_path, *args)
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = cli("-m", *SMALL, *args, f"hydra.sweep.dir={tmp_path / 'again'}", cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("nothing left to train") == 2
-    before = {tuple(r["overrides"]): r for r in sweep_rows(first_dir)}
-    after = sweep_rows(tmp_path / "again")
-    assert len(after) == 2 and all(r["status"] == "completed" for r in after)
-    for row in after:
-        summary = json.loads((Path(row["output_dir"]) / "summary.json").read_text())
-        assert summary["nothing_left_to_train"] and summary["logged_steps"] == []
-        assert row["final_loss"] == before[tuple(row["overrides"])]["final_loss"]
-        assert row["eval_loss"] == before[tuple(row["overrides"])]["eval_loss"]

@@ -14,7 +14,8 @@ CPU_HOSTS, CPU_DEVICES_PER_HOST = 2, 4  # the CPU simulation's default shape
 
 @dataclass
 class LocalClusterConfig:
-    """A Ray instance started for this run on this machine: its GPUs, or simulated CPU hosts.
+    """A Ray instance of this machine, started for this run (or one already running, with
+    room): its GPUs, or simulated CPU hosts.
 
     Settled for the machine by `resolve_local` when the config is converted
     (`to_run_config`): `platform` auto becomes gpu where nvidia-smi lists GPUs, else cpu;
@@ -32,6 +33,9 @@ class LocalClusterConfig:
     # sweep's trials and a restart's spare group share them). None: this machine's cores,
     # plus room for a spare group (training.driver.cluster.local_cpus).
     num_cpus: Optional[int] = None
+    # Use a Ray instance already running on this machine (`ray start --head`, one node) when
+    # it has room for the hosts, instead of starting one (seconds on a small machine).
+    use_running: bool = True
     # Not settable: every host shares this machine's one node.
     host_resource: ClassVar[Optional[str]] = None
 

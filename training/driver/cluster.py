@@ -20,6 +20,7 @@ from training.config import (
     CPU_HOSTS,
     ClusterConfig,
     ConfigError,
+    LocalClusterConfig,
     RayClusterConfig,
     RunConfig,
     host_gpus,
@@ -30,10 +31,14 @@ HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alo
 REACH_TIMEOUT_S = 5.0
 
 
-def connect_ray(cluster: ClusterConfig) -> bool:
-    """Start or join the cluster's Ray instance unless connected; True if this call connected."""
+def connect_ray(cluster: ClusterConfig) -> str | None:
+    """Start or join the cluster's Ray instance unless connected. None if it was connected
+    already; else what this call connected to (a line for the user where it is an instance
+    the run did not start)."""
     if ray.is_initialized():
-        return False
+        return None
+    if cluster.name == "local" and (running := join_running(cluster)):
+        return running
     if cluster.name == "local":
         # Every GPU the driver sees, whatever this run's cluster.gpus: a sweep's trials share
         # the instance. Hosts ask for their GPUs by name (training/gpus.py); `GPU` is the
@@ -48,6 +53,7 @@ def connect_ray(cluster: ClusterConfig) -> bool:
             include_dashboard=False,
             logging_level="WARNING",
         )
+        return ""
     else:
         check_reachable(
             os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
@@ -58,7 +64,37 @@ def connect_ray(cluster: ClusterConfig) -> bool:
             raise ConfigError(
                 f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
             ) from None
-    return True
+    return ""
+
+
+def join_running(cluster: LocalClusterConfig) -> str:
+    """`cluster.use_running`: join the Ray instance `ray start --head` last started on this
+    machine, if it still runs, is this one node, and has room for the hosts now; the line
+    that says so, or ''.
+
+    Ray's own lookup: the address `ray start` wrote, among the GCS processes running here
+    (a stale address, of an instance since stopped, is not tried)."""
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    if not cluster.use_running:
+        return ""
+    address = find_bootstrap_address(None)
+    find_gcs_addresses.cache_clear()  # Ray caches what it found: the processes of now
+    if not address or address not in find_gcs_addresses():
+        return ""
+    ray.init(address=address, logging_level="WARNING")
+    free = ray.available_resources()
+    wanted: dict[str, float] = {}
+    for bundle in host_bundles(cluster):
+        for resource, amount in bundle.items():
+            wanted[resource] = wanted.get(resource, 0.0) + amount
+    if len(alive_nodes()) == 1 and all(free.get(k, 0) >= v for k, v in wanted.items()):
+        return (
+            f"ray: the running local instance at {address} ({free.get('CPU', 0):g} CPUs free; "
+            "cluster.use_running=false starts one for the run)"
+        )
+    ray.shutdown()
+    return ""
 
 
 def check_reachable(address: str) -> None:
@@ -78,12 +114,14 @@ def check_reachable(address: str) -> None:
 
 @contextmanager
 def ray_session(cluster: ClusterConfig):
-    """Use the caller's Ray connection if there is one, else start or join one for this run."""
-    if not connect_ray(cluster):
-        yield
+    """Use the caller's Ray connection if there is one, else start or join one for this run.
+    Yields what `connect_ray` says it connected to."""
+    connected = connect_ray(cluster)
+    if connected is None:
+        yield ""
         return
     try:
-        yield
+        yield connected
     finally:
         ray.shutdown()
 
