@@ -5,6 +5,9 @@ A model is three things, named in the `model` config group:
 - `model.build`: `module:function` (a `BuildModel`), called with `model.kwargs` on every host
   after the distribution is set. It returns an uncompiled `keras.Model`: functional, Sequential
   or subclassed, with one input or several named ones (fed from data arrays `x_<input name>`).
+  It may load weights (`from_preset`, `load_weights`) and create variables after building
+  (`enable_lora`): the driver builds it abstractly, reading no weight
+  (`training.models.without_weights`). `model.init_from` then loads weights into it.
 - `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
   `module:function` returning a loss.
 - The layout: `model.layout_rules` (`LayoutRules`), regexes full-matched against variable paths
