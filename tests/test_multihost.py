@@ -208,9 +208,9 @@ def test_a_frozen_host_is_caught_by_the_progress_timeout(ray_cluster, tmp_path):
     stopped = signal_a_host_once_training(tmp_path, signal.SIGSTOP)
     with pytest.raises(HostFailure, match=r"no progress: host [01] "):
         run_training(run_config(FAST + LONG_RUN + ["fault.step_timeout_s=15"]), tmp_path)
-    # Not before the bound; how long after it on a loaded machine is not this test's to say
-    # (a run that never stopped would meet pytest's timeout).
-    assert time.monotonic() - stopped["at"] >= 15
+    # Not before the bound; after it within a margin for a loaded machine (beats every
+    # second, the driver's check, the other hosts' teardown).
+    assert 15 <= time.monotonic() - stopped["at"] < 15 + 90
     assert_no_actor_left()
     failed = json.loads((tmp_path / "summary.json").read_text())
     assert failed["status"] == "failed" and "over fault.step_timeout_s=15" in failed["error"]

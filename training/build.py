@@ -47,6 +47,19 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
     return model
 
 
+def count_parameters(model) -> dict[str, int]:
+    """Its weights' elements (not the state of random seeds), and those that train."""
+    import math
+
+    def count(weights) -> int:
+        return sum(math.prod(w.shape) for w in weights)
+
+    return {
+        "parameters": count(model.weights),
+        "parameters_trained": count(model.trainable_weights),
+    }
+
+
 def describe_variables(variables) -> dict[str, dict]:
     """Sharding of every variable, read from the live arrays rather than from the config."""
     from jax.sharding import PartitionSpec

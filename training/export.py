@@ -27,9 +27,11 @@ from training.checkpoint.inspection import newest_step, read_record  # noqa: E40
 from training.checkpoint.storage import CheckpointError, open_manager  # noqa: E402
 from training.config import (  # noqa: E402
     EXPORT_FILE,
+    PRESET_EXPORT,
     CheckpointConfig,
     ConfigError,
     run_config_from_record,
+    url_scheme,
 )
 from training.contracts import data_spec_from_dict  # noqa: E402
 from training.host.checkpoints import HostCheckpoints  # noqa: E402
@@ -37,6 +39,10 @@ from training.host.checkpoints import HostCheckpoints  # noqa: E402
 
 def export_checkpoint(directory: str, out: str | None = None, step: int | None = None) -> str:
     """Export checkpoint `step` (default: the newest) of `directory` to `out`; its path."""
+    if not out and url_scheme(directory):
+        raise CheckpointError(
+            f"{directory} is a bucket URL, and Keras writes to files: give OUT, a local path"
+        )
     cfg, model = restored_model(directory, step)
     if not out:
         export = replace(cfg.export, enabled=True, dir=cfg.checkpoint.dir)
@@ -71,10 +77,16 @@ def restored_model(directory: str, step: int | None = None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m training.export",
-        description="Write a saved checkpoint as model.keras, as a run exports at its end.",
+        description="Write a saved checkpoint as a run exports at its end: model.keras, or a "
+        "keras-hub model's preset directory.",
     )
     parser.add_argument("checkpoint_dir", help="a run's checkpoint.dir (a path or a bucket URL)")
-    parser.add_argument("out", nargs="?", help=f"the file (default: CHECKPOINT_DIR/{EXPORT_FILE})")
+    parser.add_argument(
+        "out",
+        nargs="?",
+        help=f"where (default: CHECKPOINT_DIR/{EXPORT_FILE}, CHECKPOINT_DIR/{PRESET_EXPORT} for "
+        "a keras-hub model, CHECKPOINT_DIR/model with export.max_shard_gb)",
+    )
     parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)

@@ -62,16 +62,17 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         # OpenBLAS's fork handler (seen in CI, with preflight's synthetic data). The checks
         # (the data, the model built abstractly) run while the hosts' actors start in their
         # own processes and import their libraries; a failed check stops them.
-        with ray_session(cfg.cluster) as connected:
-            if connected:
-                console.print(connected, highlight=False, soft_wrap=True)
+        # Room for a spare group of hosts where the run may restart (training/driver/restarts).
+        with ray_session(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
+            if joined:
+                console.print(joined, highlight=False, soft_wrap=True)
             hosts = HostGroup.request(cfg.cluster)
             try:
                 checked = preflight(cfg)
                 if nothing_left_to_train(cfg, checked):
                     hosts.shutdown()
                     return completed_earlier(cfg, checked, output_dir, console)
-                print_parameters(checked.variables, console)
+                print_parameters(checked.parameters, console)
                 if checked.layout:
                     print_layout(checked.layout, console)
                 cfg = with_layout(cfg, checked)

@@ -130,6 +130,19 @@ def test_text_is_packed_as_keras_hubs_preprocessor_packs_it(presets):
     assert dataset.spec.num_classes == preprocessor.tokenizer.vocabulary_size()
 
 
+def test_a_bad_line_further_in_stops_a_host_naming_its_file_and_line(presets, tmp_path):
+    lines = presets["jsonl"].read_text().splitlines()
+    lines[2] = json.dumps({"body": "no text field"})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    cfg = run_config(preset_overrides(presets, "gemma", f"data.path={bad}"))
+    dataset = build_dataset(cfg.data)  # the first and last lines are fine
+    rows = len(dataset.splits["train"].starts)
+    with pytest.raises(ConfigError, match=rf"line 3 of {bad} has no text field 'text'"):
+        for index in range(rows):
+            dataset.batch("train", index, 1, slice(0, 1))
+
+
 def test_prompt_and_padding_carry_no_loss(presets):
     """A prompt and a response field: the run's loss on one device equals a cross-entropy
     over the response tokens only, masked by hand from the tokenized prompt and response."""
@@ -372,3 +385,26 @@ def test_lora_only_export_is_keras_hubs_lora_weights(presets, tmp_path):
     reloaded.backbone.enable_lora(rank=4)
     reloaded.backbone.load_lora_weights(path)
     np.testing.assert_allclose(reloaded(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_then_lora_trains_lora_from_the_loaded_weights(presets, tmp_path):
+    """Loading zeroes a LoRA layer's matrices; the run keeps LoRA's start, so it trains."""
+    keras.distribution.set_distribution(None)
+    base_cfg = run_config(preset_overrides(presets, "gemma"))
+    dataset = build_dataset(base_cfg.data)
+    base = build_compiled(base_cfg, dataset.spec)
+    x, y, weights = dataset.batch("train", 0, BATCH, slice(0, BATCH))
+    base.train_on_batch(x, y, weights)
+    saved = str(tmp_path / "base.weights.h5")
+    base.save_weights(saved)
+    cfg = run_config(
+        preset_overrides(presets, "gemma", "model.lora_rank=4", f"model.init_from={saved}")
+    )
+    model = build_compiled(cfg, dataset.spec)
+    frozen = {v.path: np.asarray(v.value) for v in model.weights if "lora" not in v.path}
+    assert all(np.array_equal(frozen[v.path], np.asarray(v.value)) for v in base.weights)
+    before = {v.path: np.asarray(v.value) for v in model.trainable_weights}
+    for _ in range(2):
+        model.train_on_batch(x, y, weights)
+    moved = {v.path for v in model.trainable_weights if not np.array_equal(before[v.path], v.value)}
+    assert moved == set(before) and moved

@@ -34,7 +34,7 @@ from training.config.data import (
     TextDataConfig,
     TokenDataConfig,
 )
-from training.config.export import EXPORT_FILE, ExportConfig
+from training.config.export import EXPORT_FILE, PRESET_EXPORT, ExportConfig
 from training.config.fault import FaultConfig
 from training.config.model import HubModelConfig, ModelConfig
 from training.config.optimizer import (
@@ -73,6 +73,7 @@ __all__ = [
     "ModelConfig",
     "OPTIMIZERS",
     "OptimizerConfig",
+    "PRESET_EXPORT",
     "PlanConfig",
     "RayClusterConfig",
     "RunConfig",

@@ -85,7 +85,8 @@ class HubModelConfig(ModelConfig):
     backbone: str = ""  # without a preset: a class of keras_hub.models, e.g. LlamaBackbone
     # LoRA of this rank (keras-hub's enable_lora): only the LoRA matrices train. 0: none.
     lora_rank: int = 0
-    # The layers given LoRA, by name; empty: keras-hub's default (query and value).
+    # The layers given LoRA, by name; empty: keras-hub's default (the attention's query and
+    # value projections).
     lora_targets: List[str] = field(default_factory=list)
     build: str = "training.models.hub:causal_lm"
     loss: str = "training.models.hub:loss"

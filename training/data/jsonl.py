@@ -28,14 +28,20 @@ from training.data import EpochOrder, sampled_fingerprint
 
 @dataclass
 class _Split:
+    path: str
     text: np.ndarray  # the file's bytes, memory-mapped
     starts: np.ndarray  # each example's first byte
     ends: np.ndarray  # and the byte after its last
     order: EpochOrder
 
+    def line_number(self, example: int) -> int:
+        """The file line (from 1) example `example` of the split is on."""
+        start = int(self.starts[example])
+        return int(np.count_nonzero(self.text[:start] == ord("\n"))) + 1
 
-def _lines(path: str, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bytes, starts, ends) of the file's non-empty lines."""
+
+def _lines(path: str, what: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+    """(path, bytes, starts, ends) of the file's non-empty lines."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what}={path!r} {'is not a file' if p.exists() else 'does not exist'}")
@@ -46,7 +52,7 @@ def _lines(path: str, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks, [len(text)]])
     kept = ends - starts > 1  # a line of at least one character besides a '\r'
-    return text, starts[kept], ends[kept]
+    return path, text, starts[kept], ends[kept]
 
 
 class JsonlText:
@@ -54,27 +60,31 @@ class JsonlText:
         self.cfg = cfg
         self.seq_len = cfg.seq_len
         self.tokenizer, self.add_start, self.add_end = _tokenizer(cfg.tokenizer)
-        text, starts, ends = _lines(cfg.path, "data.path")
+        path, text, starts, ends = _lines(cfg.path, "data.path")
         if cfg.held_out_path:
             held = _lines(cfg.held_out_path, "data.held_out_path")
-            parts = {"train": (text, starts, ends), "held_out": held}
+            parts = {"train": (path, text, starts, ends), "held_out": held}
         else:
             held_count = round(len(starts) * cfg.held_out_percent / 100)
             cut = len(starts) - held_count
             parts = {
-                "train": (text, starts[:cut], ends[:cut]),
-                "held_out": (text, starts[cut:], ends[cut:]),
+                "train": (path, text, starts[:cut], ends[:cut]),
+                "held_out": (path, text, starts[cut:], ends[cut:]),
             }
         self.splits = {}
-        for split, (data, first, last) in parts.items():
+        for split, (where, data, first, last) in parts.items():
             if not len(first):
                 raise ConfigError(
                     f"the {split} split of data=jsonl has no lines (data.path={cfg.path!r}, "
                     f"data.held_out_percent={cfg.held_out_percent:g})"
                 )
             order = EpochOrder(len(first), cfg.seed, shuffle=split == "train")
-            self.splits[split] = _Split(data, first, last, order)
-        self._text_of(self._record("train", 0))  # the fields are there, before a host reads
+            self.splits[split] = _Split(where, data, first, last, order)
+        # The first and last records have the fields, before a host reads; one further in
+        # that does not stops the run when a host reads it, naming its file and line.
+        for split, part in self.splits.items():
+            for example in {0, len(part.starts) - 1}:
+                self._text_of(self._record(split, example), split, example)
         tokens = ArraySpec((self.seq_len,), "int32")
         self.spec = DataSpec(
             inputs={"token_ids": tokens, "padding_mask": tokens},
@@ -103,30 +113,30 @@ class JsonlText:
             raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
         return self.splits[split]
 
-    def _record(self, split: str, line: int) -> dict:
+    def _where(self, split: str, example: int) -> str:
         part = self._part(split)
-        raw = bytes(part.text[part.starts[line] : part.ends[line]])
+        return f"line {part.line_number(example)} of {part.path}"
+
+    def _record(self, split: str, example: int) -> dict:
+        part = self._part(split)
+        raw = bytes(part.text[part.starts[example] : part.ends[example]])
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as error:
-            raise ConfigError(
-                f"line {line + 1} of the {split} lines of data=jsonl is not JSON: {error}"
-            ) from None
+            raise ConfigError(f"{self._where(split, example)} is not JSON: {error}") from None
         if not isinstance(record, dict):
-            raise ConfigError(
-                f"line {line + 1} of the {split} lines of data=jsonl is not an object"
-            )
+            raise ConfigError(f"{self._where(split, example)} is not a JSON object")
         return record
 
-    def _text_of(self, record: dict) -> tuple[str, str]:
+    def _text_of(self, record: dict, split: str, example: int) -> tuple[str, str]:
         """(prompt, text learned); the prompt is '' without a prompt field."""
         cfg = self.cfg
         wanted = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.field]
         missing = [name for name in wanted if not isinstance(record.get(name), str)]
         if missing:
             raise ConfigError(
-                f"a data=jsonl record has no text field {missing[0]!r} (its fields: "
-                f"{sorted(record)}); set data.field, or data.prompt_field and "
+                f"{self._where(split, example)} has no text field {missing[0]!r} (its "
+                f"fields: {sorted(record)}); set data.field, or data.prompt_field and "
                 "data.response_field"
             )
         if cfg.prompt_field:
@@ -138,19 +148,25 @@ class JsonlText:
         return self._part(split).order.rows(index, batch_size, rows)
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
-        lines = self.rows(split, index, batch_size, rows)
-        packed = [self._pack(*self._text_of(self._record(split, int(line)))) for line in lines]
-        ids, real, learned = (np.stack(arrays) for arrays in zip(*packed, strict=True))
+        examples = [int(e) for e in self.rows(split, index, batch_size, rows)]
+        texts = [self._text_of(self._record(split, e), split, e) for e in examples]
+        prompts, learned_texts = [p for p, _ in texts], [t for _, t in texts]
+        # One call each for the batch's prompts and texts (keras-hub tokenizes lists).
+        prompt_ids = self._token_ids(prompts) if any(prompts) else [[] for _ in prompts]
+        shape = (len(examples), self.seq_len + 1)
+        ids = np.full(shape, self.tokenizer.pad_token_id, np.int32)
+        real, learned = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        for row, (prompt, text) in enumerate(
+            zip(prompt_ids, self._token_ids(learned_texts), strict=True)
+        ):
+            ids[row], real[row], learned[row] = self._pack(prompt, text)
         x = {"token_ids": ids[:, :-1], "padding_mask": real[:, :-1]}
         return x, ids[:, 1:], learned[:, 1:].astype(np.float32)
 
-    def _pack(self, prompt: str, text: str):
+    def _pack(self, prompt_ids: list[int], text_ids: list[int]):
         """(token ids, padding mask, learned) of one example, seq_len + 1 long: the start
         token, the prompt's and the text's tokens cut to fit, the end token, padding."""
-        prompt_ids = self._token_ids(prompt) if prompt else []
-        content = (prompt_ids + self._token_ids(text))[
-            : self.seq_len + 1 - self.add_start - self.add_end
-        ]
+        content = (prompt_ids + text_ids)[: self.seq_len + 1 - self.add_start - self.add_end]
         start = [self.tokenizer.start_token_id] if self.add_start else []
         end = [self.tokenizer.end_token_id] if self.add_end else []
         tokens = start + content + end
@@ -162,8 +178,8 @@ class JsonlText:
         learned[: len(start) + len(prompt_ids)] = 0  # the start token and the prompt
         return ids, real, learned
 
-    def _token_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer([text])[0])
+    def _token_ids(self, texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(texts)] if texts else []
 
 
 def _tokenizer(preset: str):

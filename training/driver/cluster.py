@@ -31,14 +31,14 @@ HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alo
 REACH_TIMEOUT_S = 5.0
 
 
-def connect_ray(cluster: ClusterConfig) -> str | None:
+def connect_ray(cluster: ClusterConfig, host_groups: int = 1) -> str | None:
     """Start or join the cluster's Ray instance unless connected. None if it was connected
-    already; else what this call connected to (a line for the user where it is an instance
-    the run did not start)."""
+    already; else a line for the user where it joined an instance the run did not start
+    (`join_running`, with room for `host_groups` groups of hosts), '' otherwise."""
     if ray.is_initialized():
         return None
-    if cluster.name == "local" and (running := join_running(cluster)):
-        return running
+    if cluster.name == "local" and (joined := join_running(cluster, host_groups)):
+        return joined
     if cluster.name == "local":
         # Every GPU the driver sees, whatever this run's cluster.gpus: a sweep's trials share
         # the instance. Hosts ask for their GPUs by name (training/gpus.py); `GPU` is the
@@ -54,40 +54,44 @@ def connect_ray(cluster: ClusterConfig) -> str | None:
             logging_level="WARNING",
         )
         return ""
-    else:
-        check_reachable(
-            os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
-        )
-        try:
-            ray.init(address=cluster.address, logging_level="WARNING")
-        except ConnectionError as error:
-            raise ConfigError(
-                f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
-            ) from None
+    check_reachable(
+        os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
+    )
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING")
+    except ConnectionError as error:
+        raise ConfigError(
+            f"cannot reach the Ray cluster at cluster.address={cluster.address}: {error}"
+        ) from None
     return ""
 
 
-def join_running(cluster: LocalClusterConfig) -> str:
+def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
     """`cluster.use_running`: join the Ray instance `ray start --head` last started on this
-    machine, if it still runs, is this one node, and has room for the hosts now; the line
-    that says so, or ''.
+    machine, if it still runs, is this one node, and has room for `host_groups` groups of
+    the hosts now (a spare group where the run may restart); the line that says so, or ''.
+    A run that sizes its own instance (`cluster.num_cpus`) starts it.
 
     Ray's own lookup: the address `ray start` wrote, among the GCS processes running here
-    (a stale address, of an instance since stopped, is not tried)."""
+    (a stale address, of an instance since stopped, is not tried). One that cannot be
+    joined (another Ray version, say) is left alone."""
     from ray._private.services import find_bootstrap_address, find_gcs_addresses
 
-    if not cluster.use_running:
+    if not cluster.use_running or cluster.num_cpus is not None:
         return ""
+    wanted: dict[str, float] = {}
+    for bundle in host_bundles(cluster) * host_groups:
+        for resource, amount in bundle.items():
+            wanted[resource] = wanted.get(resource, 0.0) + amount
     address = find_bootstrap_address(None)
     find_gcs_addresses.cache_clear()  # Ray caches what it found: the processes of now
     if not address or address not in find_gcs_addresses():
         return ""
-    ray.init(address=address, logging_level="WARNING")
+    try:
+        ray.init(address=address, logging_level="WARNING")
+    except Exception:  # noqa: BLE001 - any failure to join: the run starts its own
+        return ""
     free = ray.available_resources()
-    wanted: dict[str, float] = {}
-    for bundle in host_bundles(cluster):
-        for resource, amount in bundle.items():
-            wanted[resource] = wanted.get(resource, 0.0) + amount
     if len(alive_nodes()) == 1 and all(free.get(k, 0) >= v for k, v in wanted.items()):
         return (
             f"ray: the running local instance at {address} ({free.get('CPU', 0):g} CPUs free; "
@@ -113,15 +117,15 @@ def check_reachable(address: str) -> None:
 
 
 @contextmanager
-def ray_session(cluster: ClusterConfig):
+def ray_session(cluster: ClusterConfig, host_groups: int = 1):
     """Use the caller's Ray connection if there is one, else start or join one for this run.
-    Yields what `connect_ray` says it connected to."""
-    connected = connect_ray(cluster)
-    if connected is None:
+    Yields the line `connect_ray` has for the user ('' if none)."""
+    joined = connect_ray(cluster, host_groups)
+    if joined is None:
         yield ""
         return
     try:
-        yield connected
+        yield joined
     finally:
         ray.shutdown()
 

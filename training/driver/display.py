@@ -3,7 +3,6 @@ the run's closing summary with the device → host map."""
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 
@@ -192,10 +191,10 @@ def _devices_by_host(summary: dict) -> dict[int, tuple[list[int], list[int]]]:
     return by_host
 
 
-def print_parameters(variables, console: Console) -> None:
-    """How many parameters the model has, and how many of them train."""
-    total = sum(math.prod(v.shape) for v in variables)
-    trained = sum(math.prod(v.shape) for v in variables if v.trainable)
+def print_parameters(parameters: dict[str, int], console: Console) -> None:
+    """How many parameters the model has, and how many of them train
+    (`training.build.count_parameters`)."""
+    total, trained = parameters["parameters"], parameters["parameters_trained"]
     share = "all trained" if trained == total else f"{trained:,} trained ({trained / total:.2%})"
     console.print(f"parameters: {total:,}, {share}", highlight=False)
 

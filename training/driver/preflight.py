@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from training import models
+from training.build import count_parameters
 from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.trainer import ALL_HELD_OUT
@@ -32,6 +33,7 @@ class Checked:
     layout: auto_layout.AutoLayout | None = None  # the rules derived for strategy.layout=auto
     # The model's rules with their sources' precedence settled per variable (not auto).
     rules: LayoutRules | None = None
+    parameters: dict[str, int] = field(default_factory=dict)  # build.count_parameters
 
     @property
     def data_spec(self) -> DataSpec:
@@ -78,7 +80,17 @@ def preflight(cfg: RunConfig) -> Checked:
         if cfg.checkpoint.enabled
         else None
     )
-    return Checked(mesh, hosts, per_host, tuple(variables), dataset, resume_step, layout, rules)
+    return Checked(
+        mesh,
+        hosts,
+        per_host,
+        tuple(variables),
+        dataset,
+        resume_step,
+        layout,
+        rules,
+        count_parameters(model),
+    )
 
 
 def with_layout(cfg: RunConfig, checked: Checked) -> RunConfig:

@@ -4,7 +4,6 @@ hosts' results; written when the run ends, also when it fails."""
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 import traceback
@@ -215,11 +214,10 @@ def _layout_summary(result: dict) -> dict:
     return {
         "variable_shardings": {path: v["spec"] for path, v in variables.items()},
         "variables": variables,
-        "parameters": sum(math.prod(v["shape"]) for v in variables.values()),
-        # Fewer than all where some are frozen (LoRA trains its own matrices only).
-        "parameters_trained": sum(
-            math.prod(v["shape"]) for v in variables.values() if v["trainable"]
-        ),
+        # Weights' elements (not random seeds' state); fewer train where some are frozen
+        # (LoRA trains its own matrices only).
+        "parameters": result["parameters"],
+        "parameters_trained": result["parameters_trained"],
         "parameter_bytes_total": sum(v["bytes"] for v in variables.values()),
         "parameter_bytes_per_device": sum(v["shard_bytes"] for v in variables.values()),
         "parameter_bytes_replicated": sum(v["bytes"] for v in replicated.values()),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from training.build import build_on_grid, describe_variables
+from training.build import build_on_grid, count_parameters, describe_variables
 from training.checkpoint.export import export_model, writes_preset
 from training.config import RunConfig, TrainerConfig
 from training.events import (
@@ -112,6 +112,7 @@ def train(
         "best_checkpoint": checkpoints.best if checkpoints else None,
         "resumed_from_step": start,
         "reached_step": reached,
+        **count_parameters(model),
         "variables": describe_variables(model.variables),
         "optimizer_variables": describe_variables(model.optimizer.variables),
         "mesh_devices": [[d.id for d in row] for row in grid],

@@ -6,6 +6,7 @@ What a model provides, the built-in ones and a user's own alike, is `training.co
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -84,25 +85,31 @@ def without_weights():
     step counter is created from a value) and load weights (`from_preset`, `load_weights`):
     inside, a variable created from a value stays abstract too, and loading weights reads
     their names and shapes only (checked against the model's), so the driver's checks cost
-    the same for a large pretrained model as for a tiny one."""
+    the same for a large pretrained model as for a tiny one.
+
+    Those two are patches of Keras classes, for the whole process while inside: one abstract
+    build at a time (a lock), and no other thread may build Keras objects meanwhile (the
+    driver builds in its main thread)."""
     import keras
     from keras.src.backend.common import global_state
 
-    waiting = list(global_state.get_global_attribute("uninitialized_variables", []))
-    abstract = _ABSTRACT.set(True)
-    try:
-        with (
-            _abstract_values(),
-            shapes_only_loading(),
-            keras.StatelessScope(initialize_variables=False),
-        ):
-            yield
-    finally:
-        _ABSTRACT.reset(abstract)
-        global_state.set_global_attribute("uninitialized_variables", waiting)
+    with _ONE_AT_A_TIME:
+        waiting = list(global_state.get_global_attribute("uninitialized_variables", []))
+        abstract = _ABSTRACT.set(True)
+        try:
+            with (
+                _abstract_values(),
+                shapes_only_loading(),
+                keras.StatelessScope(initialize_variables=False),
+            ):
+                yield
+        finally:
+            _ABSTRACT.reset(abstract)
+            global_state.set_global_attribute("uninitialized_variables", waiting)
 
 
 _ABSTRACT = ContextVar("building_abstractly", default=False)
+_ONE_AT_A_TIME = threading.RLock()
 
 
 def building_abstractly() -> bool:
@@ -115,6 +122,7 @@ def building_abstractly() -> bool:
 def _abstract_values():
     """Keras refuses a variable created from a value in a stateless scope; made from an
     initializer returning that value it stays abstract like the others."""
+    import jax
     import numpy as np
     from keras.src.backend.common.variables import Variable as KerasVariable
 
@@ -124,7 +132,8 @@ def _abstract_values():
         if not callable(initializer) and not isinstance(initializer, str):
             value = initializer
             shape = np.shape(value) if shape is None else shape
-            dtype = dtype or getattr(value, "dtype", None) or np.asarray(value).dtype
+            # As JAX would type it (int32 for a Python int, without x64).
+            dtype = dtype or jax.dtypes.canonicalize_dtype(np.result_type(value))
             initializer = lambda shape, dtype=None: value  # noqa: E731
         original(self, initializer, shape, dtype, *args, **kwargs)
 

@@ -123,7 +123,7 @@ def _task_from_preset(preset: str):
             load_weights=not building_abstractly(),
             dtype=keras.config.dtype_policy().name,
         )
-    except Exception as error:
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
         raise ConfigError(
             f"model.preset={preset!r} cannot be loaded as a keras-hub CausalLM: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -189,11 +189,6 @@ class HubCausalLM(keras.Model):
 
     def save_lora_weights(self, path: str) -> None:
         self.task.backbone.save_lora_weights(path)
-
-    @property
-    def tokenizer(self):
-        preprocessor = self.task.preprocessor
-        return preprocessor.tokenizer if preprocessor is not None else None
 
 
 def layout_map(

@@ -12,6 +12,7 @@ from training.config import ConfigError
 
 # Keras lists every object that could not be loaded; a few name the problem.
 MISMATCHES_SHOWN = 3
+LORA_A = "lora_kernel_a"  # Keras' name for a LoRA layer's first matrix
 
 
 def load_initial_weights(model, path: str) -> None:
@@ -21,6 +22,11 @@ def load_initial_weights(model, path: str) -> None:
     if not os.path.isfile(path):
         state = "is not a file" if os.path.exists(path) else "does not exist"
         raise ConfigError(f"model.init_from={path!r} {state}")
+    # Keras' loading zeroes a LoRA layer's matrices (its kernel is what is saved): with both
+    # zero neither would get a gradient; `b` starts at zero anyway, `a` gets back its start.
+    lora_a = [
+        (v, v.value) for v in model.weights if v.path.endswith(LORA_A) and v._value is not None
+    ]
     try:
         model.load_weights(path)
     except ValueError as error:
@@ -29,6 +35,8 @@ def load_initial_weights(model, path: str) -> None:
         ) from None
     except OSError as error:
         raise ConfigError(f"model.init_from={path!r} cannot be read: {error}") from None
+    for variable, value in lora_a:
+        variable.assign(value)
 
 
 def _mismatches(message: str) -> str:
@@ -49,7 +57,6 @@ class StoredArray:
     """An array in a weights file, known by its metadata alone."""
 
     shape: tuple[int, ...]
-    dtype: str
 
 
 @contextmanager
@@ -66,7 +73,7 @@ def shapes_only_loading():
 
     def stored(store, key):
         dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)
-        return StoredArray(tuple(dataset.shape), str(dataset.dtype))
+        return StoredArray(tuple(dataset.shape))
 
     def check_shape(variable, value):
         if tuple(np.shape(value)) != tuple(variable.shape):

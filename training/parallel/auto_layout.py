@@ -34,7 +34,7 @@ from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel import layer_graph
-from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation
+from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, kernel_variable
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -215,7 +215,8 @@ class _Chooser(Derivation):
     def split_biases(self, model) -> None:
         """A column-split projection's bias is split with its output."""
         for layer in model._flatten_layers():
-            kernel, bias = getattr(layer, "kernel", None), getattr(layer, "bias", None)
+            kernel = kernel_variable(layer) if hasattr(layer, "kernel") else None
+            bias = getattr(layer, "bias", None)
             axes = self.decided.get(getattr(kernel, "path", None))
             if bias is None or not axes or bias.path in self.overrides:
                 continue

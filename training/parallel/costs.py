@@ -23,7 +23,7 @@ from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes
 from training.parallel.mesh import MeshShape
-from training.parallel.tensor_parallel import model_axis_collectives
+from training.parallel.tensor_parallel import kernel_variable, model_axis_collectives
 from training.recipe.optimizer import build_optimizer
 
 
@@ -118,7 +118,7 @@ def _splits_output(layer, rules: LayoutRules) -> bool:
     if output_rule:
         return "model" in output_rule
     if isinstance(layer, keras.layers.Dense):
-        return rule_axes(layer.kernel.path, rules)[1:] == ("model",)
+        return rule_axes(kernel_variable(layer).path, rules)[1:] == ("model",)
     if isinstance(layer, keras.layers.Embedding):
         return rule_axes(layer.embeddings.path, rules)[1:] == ("model",)
     return False
