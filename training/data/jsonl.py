@@ -40,8 +40,8 @@ class _Split:
         return int(np.count_nonzero(self.text[:start] == ord("\n"))) + 1
 
 
-def _lines(path: str, what: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-    """(path, bytes, starts, ends) of the file's non-empty lines."""
+def _lines(path: str, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bytes, starts, ends) of the file's non-empty lines."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what}={path!r} {'is not a file' if p.exists() else 'does not exist'}")
@@ -52,7 +52,7 @@ def _lines(path: str, what: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarra
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks, [len(text)]])
     kept = ends - starts > 1  # a line of at least one character besides a '\r'
-    return path, text, starts[kept], ends[kept]
+    return text, starts[kept], ends[kept]
 
 
 class JsonlText:
@@ -60,10 +60,11 @@ class JsonlText:
         self.cfg = cfg
         self.seq_len = cfg.seq_len
         self.tokenizer, self.add_start, self.add_end = _tokenizer(cfg.tokenizer)
-        path, text, starts, ends = _lines(cfg.path, "data.path")
+        text, starts, ends = _lines(cfg.path, "data.path")
+        path = cfg.path
         if cfg.held_out_path:
             held = _lines(cfg.held_out_path, "data.held_out_path")
-            parts = {"train": (path, text, starts, ends), "held_out": held}
+            parts = {"train": (path, text, starts, ends), "held_out": (cfg.held_out_path, *held)}
         else:
             held_count = round(len(starts) * cfg.held_out_percent / 100)
             cut = len(starts) - held_count
@@ -159,24 +160,21 @@ class JsonlText:
         for row, (prompt, text) in enumerate(
             zip(prompt_ids, self._token_ids(learned_texts), strict=True)
         ):
-            ids[row], real[row], learned[row] = self._pack(prompt, text)
+            tokens, first_learned = self._packed(prompt, text)
+            ids[row, : len(tokens)] = tokens
+            real[row, : len(tokens)] = 1
+            learned[row, first_learned : len(tokens)] = 1
         x = {"token_ids": ids[:, :-1], "padding_mask": real[:, :-1]}
         return x, ids[:, 1:], learned[:, 1:].astype(np.float32)
 
-    def _pack(self, prompt_ids: list[int], text_ids: list[int]):
-        """(token ids, padding mask, learned) of one example, seq_len + 1 long: the start
-        token, the prompt's and the text's tokens cut to fit, the end token, padding."""
+    def _packed(self, prompt_ids: list[int], text_ids: list[int]) -> tuple[list[int], int]:
+        """One example's tokens before padding (the start token, the prompt's and the text's
+        tokens cut to seq_len + 1 in all, the end token) and where the learned ones begin
+        (after the start token and the prompt)."""
         content = (prompt_ids + text_ids)[: self.seq_len + 1 - self.add_start - self.add_end]
         start = [self.tokenizer.start_token_id] if self.add_start else []
         end = [self.tokenizer.end_token_id] if self.add_end else []
-        tokens = start + content + end
-        ids = np.full(self.seq_len + 1, self.tokenizer.pad_token_id, np.int32)
-        ids[: len(tokens)] = tokens
-        real = np.zeros(self.seq_len + 1, np.int32)
-        real[: len(tokens)] = 1
-        learned = real.copy()
-        learned[: len(start) + len(prompt_ids)] = 0  # the start token and the prompt
-        return ids, real, learned
+        return start + content + end, len(start) + len(prompt_ids)
 
     def _token_ids(self, texts: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self.tokenizer(texts)] if texts else []
