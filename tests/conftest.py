@@ -8,8 +8,10 @@ import tempfile
 import time
 import unicodedata
 
+from training.models.remat import cpu_xla_flags
+
 # Before anything imports jax: this process gets 8 CPU devices for in-process tests.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = cpu_xla_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 # The local cluster simulates CPU hosts in the tests, also on a machine with GPUs.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""

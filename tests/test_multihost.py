@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,44 @@ def test_data_parallel_matches_one_device_training(ray_cluster, tmp_path, precis
     (other,) = references.values()
     losses = summary["loss_history"]
     assert log_distance(losses, expected) < 0.5 * log_distance(losses, other)
+    assert_no_actor_left()
+
+
+def test_fsdp_matches_one_device_and_its_checkpoint_resumes_under_hybrid_and_data_parallel(
+    ray_cluster, tmp_path
+):
+    """3 steps under fsdp, then the other 3 from its checkpoint under hybrid with fsdp (2 × 4)
+    and, from a copy, under data parallel: each the one-device run's losses."""
+    logged = ["trainer.log_interval=1", "checkpoint.interval=3"]
+    checkpoints = tmp_path / "checkpoints"
+    fsdp = train(
+        logged + ["strategy=fsdp", "trainer.steps=3", f"checkpoint.dir={checkpoints}"],
+        tmp_path / "fsdp",
+    )
+    shutil.copytree(checkpoints, tmp_path / "copy")
+    hybrid = train(
+        logged
+        + ["strategy=hybrid", "strategy.fsdp=true", "mesh.data=2", "mesh.model=4"]
+        + [f"checkpoint.dir={checkpoints}"],
+        tmp_path / "hybrid",
+    )
+    data_parallel = train(logged + [f"checkpoint.dir={tmp_path / 'copy'}"], tmp_path / "dp")
+    for summary in (fsdp, hybrid, data_parallel):
+        assert_hosts_agree(summary)
+    (expected,) = single_device_losses(FAST + ["trainer.log_interval=1"])
+    np.testing.assert_allclose(fsdp["loss_history"], expected[:3], rtol=1e-4)
+    np.testing.assert_allclose(hybrid["loss_history"], expected[3:], rtol=1e-4)
+    np.testing.assert_allclose(data_parallel["loss_history"], expected[3:], rtol=1e-4)
+
+    large = [p for p, v in fsdp["variables"].items() if v["bytes"] > SPLIT_THRESHOLD_BYTES]
+    assert large
+    for path in large:  # split 8 ways over data; under hybrid over data and model too
+        for summary, ways in ((fsdp, 8), (hybrid, 8)):
+            variable = summary["variables"][path]
+            assert "'data'" in summary["variable_shardings"][path], path
+            assert variable["shard_bytes"] * ways == variable["bytes"], path
+    assert hybrid["variable_shardings"]["block_0_up/kernel"] == "P('data', 'model')"
+    assert fsdp["optimizer_bytes_per_device"] < 0.2 * fsdp["optimizer_bytes_total"]
     assert_no_actor_left()
 
 

@@ -12,6 +12,8 @@ from training import models
 from training.config import RunConfig
 from training.contracts import DataSpec
 from training.data import build_dataset
+from training.models.remat import remat_layers, remat_scope
+from training.parallel.fsdp import gather_for_use
 from training.parallel.mesh import build_distribution
 from training.recipe import compile_model
 
@@ -28,7 +30,10 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
         rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
     keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
     dataset = build_dataset(cfg.data)
-    return build_compiled(cfg, dataset.spec), dataset
+    model = build_compiled(cfg, dataset.spec)
+    if cfg.strategy.shards_over_data:
+        gather_for_use(model)
+    return model, dataset
 
 
 def build_compiled(cfg: RunConfig, data_spec: DataSpec):
@@ -39,7 +44,9 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
     keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    model = models.build_model(cfg.model, data_spec)
+    with remat_scope(cfg.trainer.remat):
+        model = models.build_model(cfg.model, data_spec)
+    remat_layers(model, cfg.trainer.remat)
     compile_model(model, cfg)
     # The optimizer and the compiled metrics built now rather than at the first step, so
     # that a checkpoint can be restored into them and the step carries every metric.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -25,16 +25,19 @@ from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # 
 from training.driver.display import print_layout  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
+from training.models.remat import cpu_xla_flags  # noqa: E402
 from training.parallel.auto_layout import AutoLayout  # noqa: E402
 from training.parallel.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
     abstract_model,
+    candidate_meshes,
     layout_rules,
+    over_budget,
     split_ways,
     strategy_cost,
 )
-from training.parallel.dtypes import array_bytes  # noqa: E402
+from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 
 SPEEDUP_DEVICES = (1, 2, 4, 8)
@@ -57,7 +60,8 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
                 f"cluster.{key} is read from the running cluster; give it for a plan "
                 f"(cluster.{key}=N)"
             )
-    checked = preflight(cfg)
+    # The plan reports a strategy that does not fit rather than refusing it, as a run does.
+    checked = preflight(replace(cfg, plan=replace(cfg.plan, check_memory=False)))
     model = abstract_model(cfg, checked.data_spec)
     examples = cfg.trainer.micro_batch
     configured = strategy_cost(cfg, model, cfg.strategy.name, checked.mesh, examples)
@@ -73,17 +77,6 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         launch_warnings(cfg, model, configured),
         checked.layout,
     )
-
-
-def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:
-    """Data parallel, each hybrid whose model groups fit in a host, and model parallel."""
-    hybrids = [
-        ("hybrid", MeshShape(devices // m, m))
-        for m in range(2, min(per_host, devices // 2) + 1)
-        if devices % m == 0 and per_host % m == 0
-    ]
-    meshes = [("data_parallel", MeshShape(devices, 1)), *hybrids]
-    return [*meshes, ("model_parallel", MeshShape(1, devices))] if devices > 1 else meshes
 
 
 def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> dict:
@@ -114,7 +107,7 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
         )
         if whole.memory_bytes <= hardware.device_memory_gb * GB:
             found.append(
-                f"the model fits on one device ({_gb(whole.memory_bytes)} of "
+                f"the model fits on one device ({readable_bytes(whole.memory_bytes)} of "
                 f"{hardware.device_memory_gb:g} GB with its optimizer state and activations), "
                 f"yet strategy={cost.strategy} splits it {cost.mesh.model} ways: model "
                 "parallelism is for models that do not fit; strategy=data_parallel only "
@@ -135,11 +128,9 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
             f"plan.min_examples_per_device={hardware.min_examples_per_device}: devices will "
             "mostly wait; raise trainer.global_batch or use fewer devices"
         )
-    if cost.memory_bytes > hardware.device_memory_gb * GB:
-        found.append(
-            f"{_gb(cost.memory_bytes)} per device does not fit in plan.device_memory_gb="
-            f"{hardware.device_memory_gb:g}"
-        )
+    why = over_budget(cfg, model, cost.mesh, cost.devices_per_host)
+    if why:
+        found.append(why)
     return found
 
 
@@ -153,13 +144,6 @@ def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) 
     ]
 
 
-def _gb(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def _network_axes(cost: StrategyCost) -> str:
     found = cost.collectives_by_axis
     return ",".join(axis for axis in found if found[axis] and cost.crosses_hosts(axis)) or "-"
@@ -168,7 +152,7 @@ def _network_axes(cost: StrategyCost) -> str:
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     if plan.layout:
         print_layout(plan.layout, console)
-    # No borders and short headings: its 9 columns fit in 80 characters.
+    # No borders and short headings.
     table = Table(
         title="per device, per step (micro-batch)",
         title_justify="left",
@@ -176,27 +160,31 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         pad_edge=False,
     )
     table.add_column("strategy", no_wrap=True)
-    for column in ("mesh", "params", "optim", "activ", "sent", "ops", "net", "step"):
+    for column in ("mesh", "params", "optim", "grads", "activ", "sent", "ops", "net", "step"):
         table.add_column(column, justify="right", no_wrap=True)
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
+        over = cost.memory_bytes > cfg.plan.device_memory_gb * GB
         table.add_row(
-            f"{cost.strategy}{' *' if chosen else ''}",
+            f"{cost.strategy}{' *' if chosen else ''}{' !' if over else ''}",
             f"{cost.mesh.data}×{cost.mesh.model}",
-            _gb(cost.parameter_bytes),
-            _gb(cost.optimizer_bytes),
-            _gb(cost.activation_bytes),
-            _gb(cost.sent_bytes),
+            readable_bytes(cost.parameter_bytes),
+            readable_bytes(cost.optimizer_bytes),
+            readable_bytes(cost.memory.gradient_bytes),
+            readable_bytes(cost.memory.activation_bytes),
+            readable_bytes(cost.sent_bytes),
             str(len(cost.collectives)),
             _network_axes(cost),
             f"{cost.step_seconds(cfg.plan) * 1e3:.3g}ms",
         )
     console.print(table)
     console.print(
-        "* configured. mesh: data×model; optim: the optimizer's state; activ: the activations "
-        "the backward pass keeps for a data shard's batch; sent: bytes each device sends in the "
-        "step's collectives (ops) over ring links; net: the mesh axes whose collectives cross "
-        "hosts; step: the predicted time of a step"
+        "* configured; ! over plan.device_memory_gb. mesh: data×model; optim: the optimizer's "
+        "state; grads: the gradients the step makes (and, over a data axis, their reduction's "
+        "output); activ: the activations the backward pass keeps for a data shard's batch, and "
+        "its workspace; sent: bytes each device sends in the step's collectives (ops) over ring "
+        "links; net: the mesh axes whose collectives cross hosts; step: the predicted time of a "
+        "step"
     )
     hardware = cfg.plan
     console.print(
@@ -211,15 +199,54 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         console.print(f"warning: {warning}", style="yellow", markup=False)
 
 
+def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
+    """The configured step compiled on this process's devices: what XLA says each holds,
+    beside the plan's figures."""
+    from training.parallel.compiled import measure_step
+
+    configured = plan.configured
+    measured = measure_step(cfg, configured.mesh).memory
+    memory = configured.memory
+    table = Table(
+        title=f"compiled on {configured.mesh.devices} devices, per device",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for column in ("", "plan", "compiled", "plan ÷ compiled"):
+        table.add_column(column, justify="right" if column else "left", no_wrap=True)
+    for what, predicted, compiled in (
+        ("state (weights, optimizer)", memory.state_bytes, measured.arguments),
+        ("temporaries (gradients, activations)", memory.temporary_bytes, measured.temporaries),
+        ("peak", memory.total_bytes, measured.peak),
+    ):
+        ratio = f"{predicted / compiled:.2f}" if compiled else "-"
+        table.add_row(what, readable_bytes(predicted), readable_bytes(compiled), ratio)
+    console.print(table)
+    console.print(
+        "compiled: XLA's memory_analysis() of the train step: its arguments (the state and the "
+        "batch) and the temporaries it allocates"
+    )
+
+
 def main(overrides: list[str]) -> int:
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         cfg = compose_run_config(overrides)
+        if cfg.plan.compile:
+            # Read when JAX first touches a device, after these imports: one simulated CPU
+            # device per device of the cluster.
+            devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
+            os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(max(devices, 1)))
         plan = make_plan(cfg)
     except ConfigError as error:
         errors.print(f"error: {error}")
         return 2
-    print_plan(plan, cfg, Console(highlight=False, soft_wrap=True))
+    # Its table's 10 columns need about 100 characters; a pipe's default is 80.
+    console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 100))
+    print_plan(plan, cfg, console)
+    if cfg.plan.compile:
+        print_compiled(plan, cfg, console)
     return 0
 
 

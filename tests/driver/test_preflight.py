@@ -88,6 +88,24 @@ def test_variable_matched_by_two_rules_is_rejected():
             r"block_0_attention/qkv/kernel \(size 4, shape \[128, 3, 4, 32\]\) over mesh.model=8",
         ),
         (
+            ["strategy=fsdp", "cluster.hosts=3", "cluster.devices_per_host=1"]
+            + ["trainer.global_batch=63"],
+            r"over the data axis \(mesh.data=3\), which divides no dimension of "
+            r"block_0_up/kernel \[64, 256\]",
+        ),
+        (["strategy.fsdp=true"], "with strategy=data_parallel use strategy=fsdp"),
+        (["trainer.remat=block_\\d+_nothing"], "as a regex it matches no layer's path"),
+        (["trainer.remat='block_(0'"], r"trainer.remat='block_\(0' is not a regex"),
+        (
+            ["model=wide_mlp", "plan.device_memory_gb=0.2"],
+            r"strategy=data_parallel on mesh 8×1 needs 337 MB per device by the plan .* more "
+            r"than plan.device_memory_gb=0.2; these fit: strategy=fsdp mesh 8×1 \(161 MB\)",
+        ),
+        (
+            ["model=wide_mlp", "plan.device_memory_gb=0.01"],
+            "needs 337 MB .* no strategy fits on these devices",
+        ),
+        (
             ["trainer.global_batch=64", "trainer.accumulate=16"],
             "the micro-batch trainer.global_batch / trainer.accumulate = 4 is not divisible by "
             "the data axis size mesh.data \\(8\\)",
@@ -97,6 +115,11 @@ def test_variable_matched_by_two_rules_is_rejected():
 def test_bad_runs_fail_preflight(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(run_config(overrides))
+
+
+def test_a_run_told_to_try_a_strategy_over_the_memory_budget_passes():
+    over = ["model=wide_mlp", "plan.device_memory_gb=0.2"]
+    preflight(run_config([*over, "plan.check_memory=false"]))
 
 
 def test_a_global_batch_accumulate_cannot_split_is_a_config_error():

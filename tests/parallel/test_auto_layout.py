@@ -141,7 +141,7 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
         from training.parallel.mesh import device_grid
 
         mesh = MeshShape(2, 4)
-        cfg = settled(cfg, derive_for_config(cfg, mesh.model))
+        cfg = settled(cfg, derive_for_config(cfg, mesh.model).rules)
         model, _ = build_on_grid(cfg, device_grid(jax.devices(), mesh))
         shards = {v.path: v.value.addressable_shards[0].data.shape for v in model.variables}
     finally:

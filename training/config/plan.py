@@ -26,6 +26,12 @@ class PlanConfig:
     device_memory_gb: float = 80.0
     # Fewer examples than this per device leave a device mostly waiting on launches.
     min_examples_per_device: int = 8
+    # A run refuses to start when the plan predicts more than device_memory_gb per device
+    # for its strategy; false: try anyway.
+    check_memory: bool = True
+    # training.plan also compiles the configured step on simulated CPU devices (allocating
+    # the model in this machine's memory) and prints what XLA says it holds.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         positive = (

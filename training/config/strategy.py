@@ -9,7 +9,7 @@ from omegaconf import MISSING
 
 from training.config.common import AUTO, require, require_size_or_auto
 
-STRATEGIES = ("data_parallel", "model_parallel", "hybrid")
+STRATEGIES = ("data_parallel", "fsdp", "model_parallel", "hybrid")
 # strategy.layout: the model's own rules, or rules derived from its structure
 # (training.parallel.auto_layout).
 MODEL_LAYOUT = "model"
@@ -29,6 +29,11 @@ class StrategyConfig:
     # (derived on the driver from the model's structure, printed, and sent to the hosts as
     # model.layout_rules). strategy.layout_rules override either.
     layout: str = MODEL_LAYOUT
+    # Fully sharded data parallel over the `data` axis as well (hybrid only; strategy=fsdp
+    # is it without a model axis): every weight above SPLIT_THRESHOLD_BYTES and its optimizer
+    # state split over `data` on one more dimension, gathered for use
+    # (training.parallel.fsdp).
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -41,6 +46,16 @@ class StrategyConfig:
             "own rules, or rules derived from its structure)",
         )
         self.layout_rules = checked_layout_rules("strategy.layout_rules", self.layout_rules)
+        require(
+            not self.fsdp or self.name == "hybrid",
+            f"strategy.fsdp=true splits weights over the data axis of strategy=hybrid; with "
+            f"strategy={self.name} use strategy=fsdp (no model axis) or strategy=hybrid",
+        )
+
+    @property
+    def shards_over_data(self) -> bool:
+        """Whether weights and optimizer state are split over the data axis (FSDP)."""
+        return self.name == "fsdp" or self.fsdp
 
 
 @dataclass

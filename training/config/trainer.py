@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from training.config.common import require, require_held_out_figure, require_positive
+from training.config.common import ConfigError, require, require_held_out_figure, require_positive
 
 PRECISIONS = ("float32", "bfloat16")
 ALL_HELD_OUT = -1  # trainer.eval_batches: every held-out example
@@ -43,6 +44,9 @@ class TrainerConfig:
     # JAX's persistent compilation cache: "" for ~/.cache/training/jax ($XDG_CACHE_HOME),
     # "off" for none, else a directory every host can write (its own or shared)
     compile_cache_dir: str = ""
+    # Rematerialisation (training.models.remat): none, full, activations, or a regex of the
+    # layer paths to recompute in the backward pass instead of keeping their activations
+    remat: str = "none"
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
     def __post_init__(self) -> None:
@@ -69,6 +73,11 @@ class TrainerConfig:
             f"trainer.global_batch={self.global_batch} is not divisible by "
             f"trainer.accumulate={self.accumulate}",
         )
+
+        try:
+            re.compile(self.remat)
+        except re.error as error:
+            raise ConfigError(f"trainer.remat={self.remat!r} is not a regex: {error}") from None
 
     @property
     def micro_batch(self) -> int:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from training import models
 from training.build import count_parameters
@@ -13,7 +13,8 @@ from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.trainer import ALL_HELD_OUT
 from training.contracts import ACTIVATION_RULE_SUFFIX, Dataset, DataSpec, LayoutRules, VariableInfo
 from training.data import build_dataset
-from training.parallel import auto_layout
+from training.models.remat import remat_layers
+from training.parallel import auto_layout, costs, fsdp
 from training.parallel.mesh import MeshShape, resolve_mesh
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
@@ -31,7 +32,8 @@ class Checked:
     dataset: Dataset = field(repr=False, compare=False)
     resume_step: int | None = None  # the newest checkpoint's, when checkpoint.dir has one
     layout: auto_layout.AutoLayout | None = None  # the rules derived for strategy.layout=auto
-    # The model's rules with their sources' precedence settled per variable (not auto).
+    # The rules the hosts get: the model's with their sources' precedence settled per
+    # variable (or strategy.layout=auto's), and fsdp's split over `data`; None: data parallel.
     rules: LayoutRules | None = None
     parameters: dict[str, int] = field(default_factory=dict)  # build.count_parameters
 
@@ -56,6 +58,7 @@ def preflight(cfg: RunConfig) -> Checked:
     check_enough_examples(cfg.trainer, data_spec)
     model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
+    remat_layers(model, cfg.trainer.remat)
     compile_model(model, cfg)
     figures = check_metrics_fit(
         cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0
@@ -66,15 +69,22 @@ def preflight(cfg: RunConfig) -> Checked:
     )
     variables = [models.variable_info(v) for v in model.variables]
     layout, rules = None, None
-    if auto_layout.uses_auto_layout(cfg):
+    if cfg.strategy.name == "fsdp":
+        rules = fsdp.without_model_axis(cfg.strategy.layout_rules)
+    elif auto_layout.uses_auto_layout(cfg):
         layout = auto_layout.derive(model, mesh.model, cfg.strategy.layout_rules)
-        check_layout_rules(layout.rules, variables, mesh)
+        rules = layout.rules
     elif cfg.strategy.name != "data_parallel":
         paths = [v.path for v in variables]
         rules = models.layout_rules(
             cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
         )
+    if rules is not None:
         check_layout_rules(rules, variables, mesh)
+    if cfg.strategy.shards_over_data:
+        rules = fsdp.shard_over_data(rules, variables, mesh.data)
+    if cfg.plan.check_memory:
+        check_memory_fits(cfg, costs.abstract_model(cfg, data_spec, model), mesh, per_host)
     resume_step = (
         inspect_checkpoints(cfg, variables, data_spec.fingerprint)
         if cfg.checkpoint.enabled
@@ -96,12 +106,22 @@ def preflight(cfg: RunConfig) -> Checked:
 def with_layout(cfg: RunConfig, checked: Checked) -> RunConfig:
     """The config the hosts get: the rules settled here as the model's own, so no host
     derives them (strategy.layout=auto) or weighs one rule against another."""
-    if checked.layout:
-        return auto_layout.settled(cfg, checked.layout)
-    if checked.rules:
-        rules = {pattern: list(axes) for pattern, axes in checked.rules.items()}
-        return replace(cfg, model=replace(cfg.model, layout="", layout_rules=rules))
-    return cfg
+    if checked.rules is None:
+        return cfg
+    return auto_layout.settled(cfg, checked.rules)
+
+
+def check_memory_fits(
+    cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape, per_host: int
+) -> None:
+    """The plan's memory per device for the configured strategy within
+    plan.device_memory_gb."""
+    why = costs.over_budget(cfg, model, mesh, per_host)
+    if why:
+        raise ConfigError(
+            f"{why}. python -m training.plan shows each strategy's figures; "
+            "plan.check_memory=false tries anyway"
+        )
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:

@@ -18,6 +18,7 @@ from training.config import RunConfig
 from training.events import JOINING, Event, FromHost, Joined
 from training.host.phases import Beats, Phase
 from training.host.warnings import forward_warnings
+from training.models.remat import cpu_xla_flags
 from training.parallel.mesh import MeshShape
 
 LOOPBACK = "127.0.0.1"
@@ -45,7 +46,7 @@ def host_environment(
     return {
         **common,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}",
+        "XLA_FLAGS": cpu_xla_flags(devices_per_host),
     }
 
 

@@ -94,10 +94,11 @@ def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
     return derive(model, mesh_model, cfg.strategy.layout_rules)
 
 
-def settled(cfg: RunConfig, layout: AutoLayout) -> RunConfig:
-    """The config the hosts get: the derived rules as the model's own, exactly what a user
-    who copied them would run, so that no host derives anything."""
-    rules = {pattern: list(axes) for pattern, axes in layout.rules.items()}
+def settled(cfg: RunConfig, rules: LayoutRules) -> RunConfig:
+    """The config the hosts get: settled rules (derived, or weighed by precedence, fsdp's
+    split added) as the model's own, exactly what a user who copied them would run, so that
+    no host derives anything."""
+    rules = {pattern: list(axes) for pattern, axes in rules.items()}
     return replace(cfg, model=replace(cfg.model, layout="", layout_rules=rules))
 
 

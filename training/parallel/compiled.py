@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from training.config import RunConfig
 from training.parallel import collectives
-from training.parallel.auto_layout import derive_for_config, settled, uses_auto_layout
 from training.parallel.mesh import MeshShape, device_grid
 
 # The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
@@ -25,10 +24,25 @@ BENCH_TRANSFORMER = [
 
 
 @dataclass(frozen=True)
+class CompiledMemory:
+    """What XLA's `memory_analysis()` of the compiled step says one device holds: its
+    arguments (weights, optimizer and metric state, the batch; the state is donated and
+    updated in place) and the temporaries it allocates while it runs."""
+
+    arguments: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.temporaries
+
+
+@dataclass(frozen=True)
 class Measured:
     collectives: list[collectives.Collective]
     parameter_bytes_per_device: int
     optimizer_bytes_per_device: int
+    memory: CompiledMemory
 
     @property
     def sent_bytes(self) -> float:
@@ -42,25 +56,36 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
 
     # Imported here: keras, which the benchmarks' constants above need not import.
     from training.build import build_on_grid
+    from training.data import build_dataset
+    from training.parallel.auto_layout import settled
+    from training.parallel.costs import abstract_model, layout_rules
 
-    if uses_auto_layout(cfg):  # as the driver settles it before the hosts start
-        cfg = settled(cfg, derive_for_config(cfg, mesh.model))
-    grid = device_grid(jax.devices(), mesh)
+    if cfg.strategy.name != "data_parallel":  # as the driver settles it for the hosts
+        spec = build_dataset(cfg.data).spec
+        cfg = settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
+    grid = device_grid(jax.devices()[: mesh.devices], mesh)
     model, dataset = build_on_grid(cfg, grid)
     batch = cfg.trainer.micro_batch
     x, y = dataset.batch("train", 0, batch, slice(0, batch))
     model.train_on_batch(x, y)
-    hlo = train_step_hlo(model, x, y)
+    step = compiled_train_step(model, x, y)
+    analysis = step.memory_analysis()
     return Measured(
-        collectives.from_hlo(hlo, grid.size),
+        collectives.from_hlo(step.as_text(), grid.size),
         _shard_bytes(model.variables),
         _shard_bytes(model.optimizer.variables),
+        CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes),
     )
 
 
 def train_step_hlo(model, x, y) -> str:
-    """The optimized HLO of the model's train step, jitted with the arguments Keras's own
-    `make_train_function` gives it (state sharded as the live variables are)."""
+    """The optimized HLO of the model's train step."""
+    return compiled_train_step(model, x, y).as_text()
+
+
+def compiled_train_step(model, x, y):
+    """The model's train step compiled as Keras's own `make_train_function` compiles it: the
+    state sharded as the live variables are, and donated."""
     import jax
     from keras.src.backend.jax.trainer import _distribute_data
 
@@ -70,8 +95,10 @@ def train_step_hlo(model, x, y) -> str:
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    step = jax.jit(model.train_step, out_shardings=(None, model._get_state_sharding_spec()))
-    return step.lower(state, _distribute_data((x, y, None))).compile().as_text()
+    step = jax.jit(
+        model.train_step, out_shardings=(None, model._get_state_sharding_spec()), donate_argnums=0
+    )
+    return step.lower(state, _distribute_data((x, y, None))).compile()
 
 
 def _shard_bytes(variables) -> int:

@@ -16,14 +16,17 @@ import numpy as np
 
 from training import models
 from training.build import DTYPE_POLICIES
-from training.config import AUTO, AUTO_LAYOUT, PlanConfig, RunConfig
+from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
+from training.models.remat import remat_layers
+from training.parallel.activations import activation_bytes
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
-from training.parallel.dtypes import array_bytes, dtype_bytes
+from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
+from training.parallel.fsdp import shard_over_data, without_model_axis
 from training.parallel.mesh import MeshShape
-from training.parallel.tensor_parallel import kernel_variable, model_axis_collectives
+from training.parallel.tensor_parallel import model_axis_collectives
 from training.recipe.optimizer import build_optimizer
 
 
@@ -51,7 +54,9 @@ class AbstractModel:
         return 6.0 * self.trainable_parameters * self.positions_per_example
 
 
-def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
+def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> AbstractModel:
+    """The config's model built abstractly (or `keras_model`, already so built, with
+    trainer.remat applied) and its optimizer's variables."""
     import keras
 
     previous = keras.config.dtype_policy()
@@ -59,7 +64,10 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
     try:
         # The optimizer's own scalars have no deferred initializer: they are made for real.
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
-        model = models.abstract_model(cfg.model, data_spec)
+        model = keras_model
+        if model is None:
+            model = models.abstract_model(cfg.model, data_spec)
+            remat_layers(model, cfg.trainer.remat)
         with keras.StatelessScope():
             optimizer.build(model.trainable_variables)
     finally:
@@ -85,116 +93,42 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
     return tuple(paired)
 
 
-def activation_bytes_per_example(keras_model, rules: LayoutRules, mesh_model: int) -> float:
-    """Bytes per example of what the backward pass keeps: every layer's output and, inside
-    attention, the projected query, key and value, the scores and their softmax, and the
-    context. A tensor the model axis splits counts 1/mesh_model on a device."""
-    import keras
-
-    total = 0.0
-    for layer in keras_model.layers:
-        split = mesh_model if _splits_output(layer, rules) else 1
-        outputs = keras.tree.flatten(layer.output)
-        total += (
-            sum(_values_per_example(t.shape) * dtype_bytes(str(t.dtype)) for t in outputs) / split
-        )
-        if (attention := _attention(layer)) is not None:
-            split = mesh_model if attention.split_by_heads(rules) else 1
-            total += attention.inner_values() * dtype_bytes(layer.compute_dtype) / split
-    return total
-
-
-def _values_per_example(shape) -> int:
-    return math.prod(d for d in shape[1:] if d is not None)
-
-
-def _splits_output(layer, rules: LayoutRules) -> bool:
-    """Whether the layout leaves the layer's output split over `model`: an output rule says
-    so, or the layer's weight is split on the dimension it gives the output (a Dense kernel's
-    columns, an embedding table's hidden dimension)."""
-    import keras
-
-    output_rule = rule_axes(f"{layer.path}/output", rules)
-    if output_rule:
-        return "model" in output_rule
-    if isinstance(layer, keras.layers.Dense):
-        return rule_axes(kernel_variable(layer).path, rules)[1:] == ("model",)
-    if isinstance(layer, keras.layers.Embedding):
-        return rule_axes(layer.embeddings.path, rules)[1:] == ("model",)
-    return False
-
-
-@dataclass(frozen=True)
-class _Attention:
-    """An attention layer's sizes per example, and the kernel whose heads it is split by."""
-
-    queries: int
-    keys: int
-    heads: int
-    key_dim: int
-    value_dim: int
-    kernel_path: str
-    heads_dim: int  # the kernel's dimension that holds the heads
-
-    def inner_values(self) -> int:
-        """Its tensors between the projections: query and context (queries × heads × head
-        dim), key and value (keys × heads × head dim), the scores and their softmax (heads ×
-        queries × keys)."""
-        q, k, h = self.queries, self.keys, self.heads
-        return h * (
-            q * self.key_dim + k * self.key_dim + k * self.value_dim + q * self.value_dim
-        ) + (2 * h * q * k)
-
-    def split_by_heads(self, rules: LayoutRules) -> bool:
-        axes = rule_axes(self.kernel_path, rules)
-        return len(axes) > self.heads_dim and axes[self.heads_dim] == "model"
-
-
-def _attention(layer) -> _Attention | None:
-    """Keras' MultiHeadAttention and the built-in transformer's fused attention; None for
-    any other layer."""
-    import keras
-
-    from training.models.transformer import CausalSelfAttention
-
-    if isinstance(layer, keras.layers.MultiHeadAttention):
-        shapes = layer._build_shapes_dict
-        return _Attention(
-            queries=_values_per_example(shapes["query_shape"][:-1]),
-            keys=_values_per_example(shapes.get("key_shape", shapes["value_shape"])[:-1]),
-            heads=layer._num_heads,
-            key_dim=layer._key_dim,
-            value_dim=layer._value_dim,
-            kernel_path=layer._query_dense.kernel.path,  # (model dim, heads, head dim)
-            heads_dim=1,
-        )
-    if isinstance(layer, CausalSelfAttention):
-        length = layer.output.shape[1]
-        return _Attention(
-            queries=length,
-            keys=length,
-            heads=layer.heads,
-            key_dim=layer.head_dim,
-            value_dim=layer.head_dim,
-            kernel_path=layer.qkv.kernel.path,  # (model dim, q/k/v, heads, head dim)
-            heads_dim=2,
-        )
-    return None
+def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:
+    """Data parallel, fsdp, each hybrid whose model groups fit in a host, and model
+    parallel."""
+    hybrids = [
+        ("hybrid", MeshShape(devices // m, m))
+        for m in range(2, min(per_host, devices // 2) + 1)
+        if devices % m == 0 and per_host % m == 0
+    ]
+    meshes = [
+        ("data_parallel", MeshShape(devices, 1)),
+        ("fsdp", MeshShape(devices, 1)),
+        *hybrids,
+    ]
+    return [*meshes, ("model_parallel", MeshShape(1, devices))] if devices > 1 else meshes
 
 
 def layout_rules(
     cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
 ) -> LayoutRules:
     """Data parallel replicates every variable; the other strategies use the model's rules,
-    or with strategy.layout=auto those derived from its structure for this mesh."""
+    or with strategy.layout=auto those derived from its structure for this mesh, and fsdp
+    (or hybrid with strategy.fsdp) splits the large weights over `data` too."""
     if strategy == "data_parallel":
         return {}
-    if cfg.strategy.layout == AUTO_LAYOUT:
-        return derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
-    paths = [v.path for v in model.variables]
-    return models.layout_rules(
-        cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
-    )
+    if strategy == "fsdp":
+        rules = without_model_axis(cfg.strategy.layout_rules)
+    elif cfg.strategy.layout == AUTO_LAYOUT:
+        rules = derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
+    else:
+        paths = [v.path for v in model.variables]
+        rules = models.layout_rules(
+            cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
+        )
+    if strategy == "fsdp" or (strategy == "hybrid" and cfg.strategy.fsdp):
+        rules = shard_over_data(rules, model.variables, mesh.data)
+    return rules
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
@@ -221,9 +155,7 @@ def spans_hosts(axis: str, mesh: MeshShape, per_host: int) -> bool:
 class StrategyCost:
     strategy: str
     mesh: MeshShape
-    parameter_bytes: int  # per device
-    optimizer_bytes: int
-    activation_bytes: int
+    memory: MemoryCost  # per device
     # The step's collectives by the mesh axis they run over, "data" and "model"
     collectives_by_axis: dict[str, tuple[Collective, ...]]
     devices_per_host: int
@@ -239,8 +171,16 @@ class StrategyCost:
         return sent_bytes(list(self.collectives))
 
     @property
+    def parameter_bytes(self) -> int:
+        return self.memory.parameter_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.memory.optimizer_bytes
+
+    @property
     def memory_bytes(self) -> int:
-        return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.memory.total_bytes
 
     def step_seconds(self, hardware: PlanConfig) -> float:
         """Compute, then each axis's bytes over its link and a latency per collective (no
@@ -256,19 +196,64 @@ class StrategyCost:
         return spans_hosts(axis, self.mesh, self.devices_per_host)
 
 
+@dataclass(frozen=True)
+class MemoryCost:
+    """Per device: the step's state (weights, optimizer) and what it makes as it runs."""
+
+    parameter_bytes: int
+    optimizer_bytes: int
+    gradient_bytes: int
+    activation_bytes: int  # at the backward pass's peak (`training.parallel.activations`)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.parameter_bytes + self.optimizer_bytes
+
+    @property
+    def temporary_bytes(self) -> int:
+        return self.gradient_bytes + self.activation_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.temporary_bytes
+
+
+def memory_cost(
+    cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
+) -> MemoryCost:
+    """The memory per device on `mesh` of a step on `examples` examples."""
+    rules = layout_rules(cfg, strategy, mesh, model)
+    return _memory(cfg, model, rules, mesh, examples // mesh.data)
+
+
+def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows) -> MemoryCost:
+    def per_device(variable: VariableInfo, layout_path: str) -> int:
+        return array_bytes(variable.shape, variable.dtype) // split_ways(layout_path, rules, mesh)
+
+    value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
+    activations = activation_bytes(model.keras_model, rules, mesh.model, rows, value_bytes)
+    return MemoryCost(
+        parameter_bytes=sum(per_device(v, v.path) for v in model.variables),
+        optimizer_bytes=sum(
+            per_device(v, owner or v.path) for v, owner in model.optimizer_variables
+        ),
+        gradient_bytes=gradient_bytes(model, rules, mesh),
+        activation_bytes=round(activations.peak),
+    )
+
+
 def strategy_cost(
     cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
 ) -> StrategyCost:
     """The cost on `mesh` of one step on `examples` examples (split over the data axis)."""
     rules = layout_rules(cfg, strategy, mesh, model)
-
-    def per_device(variable: VariableInfo, layout_path: str) -> int:
-        return array_bytes(variable.shape, variable.dtype) // split_ways(layout_path, rules, mesh)
-
-    parameters = {v.path: per_device(v, v.path) for v in model.variables}
-    optimizer = sum(per_device(v, owner or v.path) for v, owner in model.optimizer_variables)
     rows = examples // mesh.data
-    value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
+    memory = _memory(cfg, model, rules, mesh, rows)
+    value_bytes = dtype_bytes(cfg.trainer.precision)
+    parameters = {
+        v.path: array_bytes(v.shape, v.dtype) // split_ways(v.path, rules, mesh)
+        for v in model.variables
+    }
     by_axis = {
         "data": data_axis_collectives(model, parameters, rules, mesh),
         "model": model_axis_collectives(model.keras_model, rules, mesh.model, rows, value_bytes),
@@ -276,11 +261,7 @@ def strategy_cost(
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,
-        parameter_bytes=sum(parameters.values()),
-        optimizer_bytes=optimizer,
-        activation_bytes=round(
-            activation_bytes_per_example(model.keras_model, rules, mesh.model) * rows
-        ),
+        memory=memory,
         collectives_by_axis={
             axis: tuple(c for c in found if c.group > 1) for axis, found in by_axis.items()
         },
@@ -288,6 +269,20 @@ def strategy_cost(
         examples_per_data_shard=rows,
         flops_per_device=model.flops_per_example() * rows / mesh.model,
     )
+
+
+def gradient_bytes(model: AbstractModel, rules: LayoutRules, mesh: MeshShape) -> int:
+    """Per device, the gradients a step makes: each weight's as the step uses the weight
+    (split over `model`, whole over `data`: fsdp's are reduce-scattered after). Over a data
+    axis they are all made before they are reduced, and the reduction writes a second copy;
+    without one, each is consumed by the optimizer's update as it is made (the largest)."""
+    model_only = MeshShape(1, mesh.model)
+    sizes = [
+        array_bytes(v.shape, v.dtype) // split_ways(v.path, rules, model_only)
+        for v in model.variables
+        if v.path in model.trainable
+    ]
+    return 2 * sum(sizes) if mesh.data > 1 else max(sizes, default=0)
 
 
 def data_axis_collectives(
@@ -306,3 +301,51 @@ def data_axis_collectives(
     for path in sharded:
         found += gathered_weight(path, parameters[path] * mesh.data, mesh.data)
     return found
+
+
+def fitting_strategies(
+    cfg: RunConfig, model: AbstractModel, devices: int, per_host: int, examples: int
+) -> list[tuple[str, MeshShape, MemoryCost]]:
+    """Each candidate strategy and mesh whose memory per device fits plan.device_memory_gb."""
+    budget = cfg.plan.device_memory_gb * 1e9
+    found = []
+    for strategy, mesh in candidate_meshes(devices, per_host):
+        if examples % mesh.data:
+            continue
+        try:
+            memory = memory_cost(cfg, model, strategy, mesh, examples)
+        except ConfigError:  # a layout this mesh cannot take (fsdp's, the model's)
+            continue
+        if memory.total_bytes <= budget:
+            found.append((strategy, mesh, memory))
+    return found
+
+
+def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host: int) -> str | None:
+    """Why the configured strategy does not fit plan.device_memory_gb, and what does; None
+    where it fits."""
+    budget = cfg.plan.device_memory_gb
+    examples = cfg.trainer.micro_batch
+    memory = memory_cost(cfg, model, cfg.strategy.name, mesh, examples)
+    if memory.total_bytes <= budget * 1e9:
+        return None
+    fits = fitting_strategies(cfg, model, mesh.devices, per_host, examples)
+    alternatives = (
+        "these fit: "
+        + ", ".join(
+            f"strategy={s} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
+            for s, m, c in fits
+        )
+        if fits
+        else "no strategy fits on these devices: use more devices, trainer.remat or a smaller "
+        "trainer.global_batch (or trainer.accumulate)"
+    )
+    return (
+        f"strategy={cfg.strategy.name} on mesh {mesh.data}×{mesh.model} needs "
+        f"{readable_bytes(memory.total_bytes)} per device by the plan (weights "
+        f"{readable_bytes(memory.parameter_bytes)}, optimizer state "
+        f"{readable_bytes(memory.optimizer_bytes)}, gradients "
+        f"{readable_bytes(memory.gradient_bytes)}, activations "
+        f"{readable_bytes(memory.activation_bytes)}), more than plan.device_memory_gb="
+        f"{budget:g}; {alternatives}"
+    )

@@ -40,3 +40,11 @@ def hlo_dtype_bytes(name: str) -> int | None:
     prefix, bits, fraction = match.groups()
     numpy_name = f"{_HLO_PREFIX[prefix]}{bits}" + (f"_{fraction}" if fraction else "")
     return dtype_bytes(numpy_name)
+
+
+def readable_bytes(n: float) -> str:
+    """`1.23 GB`, `456 MB`, `7.8 kB`, `12 B`."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

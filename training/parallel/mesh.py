@@ -34,6 +34,7 @@ class MeshShape:
 # Strategies that use one mesh axis: the axis they leave at 1, why, and what hybrid adds.
 SINGLE_AXIS = {
     "data_parallel": ("model", "replicates the model", "also split the model"),
+    "fsdp": ("model", "splits the weights over the data axis only", "also split the model"),
     "model_parallel": ("data", "uses no data axis", "also replicate the model"),
 }
 

@@ -1,0 +1,44 @@
+"""`trainer.remat`: the layers it names recompute their activations in the backward pass: the
+same losses as without, and a compiled step that holds less."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from tests.conftest import run_config
+from tests.models.test_transformer import TINY
+from training.build import build_on_grid
+from training.parallel.compiled import compiled_train_step
+from training.parallel.mesh import MeshShape, device_grid
+
+# 4 blocks of attention over 64 positions: the scores each block keeps dominate the step.
+DEEPER = [*TINY, "model.kwargs.layers=4", "model.seq_len=64"]
+
+
+def train_two_steps(remat: str) -> tuple[list[float], int]:
+    """The losses of two steps on the 8 devices, and the compiled step's temporaries."""
+    cfg = run_config([*DEEPER, f"trainer.remat={remat}"])
+    model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(8, 1)))
+    try:
+        losses = []
+        for step in range(2):
+            x, y = dataset.batch("train", step, 16, slice(0, 16))
+            losses.append(float(model.train_on_batch(x, y)[0]))
+        temporaries = compiled_train_step(model, x, y).memory_analysis().temp_size_in_bytes
+        return losses, temporaries
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@pytest.fixture(scope="module")
+def without_remat():
+    return train_two_steps("none")
+
+
+@pytest.mark.parametrize(("remat", "at_most"), [("full", 0.5), (r"block_\d+_attention", 0.8)])
+def test_remat_trains_the_same_and_holds_less(without_remat, remat, at_most):
+    losses, temporaries = train_two_steps(remat)
+    expected, whole = without_remat
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert temporaries <= at_most * whole, (temporaries, whole)
