@@ -65,11 +65,14 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
     model = abstract_model(cfg, checked.data_spec)
     examples = cfg.trainer.micro_batch
     configured = strategy_cost(cfg, model, cfg.strategy.name, checked.mesh, examples)
-    alternatives = [
-        strategy_cost(cfg, model, strategy, mesh, examples)
-        for strategy, mesh in candidate_meshes(checked.mesh.devices, checked.devices_per_host)
-        if examples % mesh.data == 0
-    ]
+    alternatives = []
+    for strategy, mesh in candidate_meshes(checked.mesh.devices, checked.devices_per_host):
+        if examples % mesh.data:
+            continue
+        try:
+            alternatives.append(strategy_cost(cfg, model, strategy, mesh, examples))
+        except ConfigError:  # a layout this mesh cannot take (fsdp's, the model's): not listed
+            continue
     return LaunchPlan(
         configured,
         alternatives,
@@ -152,7 +155,6 @@ def _network_axes(cost: StrategyCost) -> str:
 def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     if plan.layout:
         print_layout(plan.layout, console)
-    # No borders and short headings.
     table = Table(
         title="per device, per step (micro-batch)",
         title_justify="left",
@@ -165,8 +167,9 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
         over = cost.memory_bytes > cfg.plan.device_memory_gb * GB
+        fsdp = "+fsdp" if cost.strategy == "hybrid" and cfg.strategy.fsdp else ""
         table.add_row(
-            f"{cost.strategy}{' *' if chosen else ''}{' !' if over else ''}",
+            f"{cost.strategy}{fsdp}{' *' if chosen else ''}{' !' if over else ''}",
             f"{cost.mesh.data}×{cost.mesh.model}",
             readable_bytes(cost.parameter_bytes),
             readable_bytes(cost.optimizer_bytes),
@@ -237,7 +240,9 @@ def main(overrides: list[str]) -> int:
             # Read when JAX first touches a device, after these imports: one simulated CPU
             # device per device of the cluster.
             devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
-            os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(max(devices, 1)))
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_force_host_platform_device_count" not in flags:
+                os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
         plan = make_plan(cfg)
     except ConfigError as error:
         errors.print(f"error: {error}")

@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import run_config
 from tests.models.test_transformer import TINY
 from training.build import build_on_grid
+from training.models.remat import remat_layers
 from training.parallel.compiled import compiled_train_step
 from training.parallel.mesh import MeshShape, device_grid
 
@@ -42,3 +43,27 @@ def test_remat_trains_the_same_and_holds_less(without_remat, remat, at_most):
     expected, whole = without_remat
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert temporaries <= at_most * whole, (temporaries, whole)
+
+
+def test_remat_leaves_out_layers_that_update_state_and_trains_the_same():
+    """Batch norm's statistics and dropout's seed change in the step: those layers are not
+    rematerialised (jax.checkpoint cannot carry their updates out), the others are."""
+    from examples.my_models import classifier_loss, get_classifier
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 10, size=16)
+
+    def trained(remat: str):
+        keras.utils.set_random_seed(0)
+        model = get_classifier(dropout=0.5)
+        remat_layers(model, remat)
+        model.compile(optimizer="sgd", loss=classifier_loss())
+        return [float(model.train_on_batch(x, y)) for _ in range(3)], model
+
+    losses, model = trained("full")
+    marked = [layer for layer in model._flatten_layers() if layer._remat_mode]
+    assert {"conv1", "conv2", "head"} <= {layer.name for layer in marked}
+    stateful = (keras.layers.BatchNormalization, keras.layers.Dropout)
+    assert not [layer.name for layer in marked if isinstance(layer, stateful)]
+    np.testing.assert_allclose(losses, trained("none")[0], rtol=1e-5)

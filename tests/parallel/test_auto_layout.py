@@ -137,8 +137,8 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
             ]
         )
         from training.build import build_on_grid
-        from training.parallel.auto_layout import derive_for_config, settled
-        from training.parallel.mesh import device_grid
+        from training.parallel.auto_layout import derive_for_config
+        from training.parallel.mesh import device_grid, settled
 
         mesh = MeshShape(2, 4)
         cfg = settled(cfg, derive_for_config(cfg, mesh.model).rules)

@@ -114,6 +114,15 @@ def test_plan_needs_the_cluster_size():
         make_plan(run_config(["cluster=ray"]))
 
 
+def test_plan_leaves_out_a_strategy_the_mesh_cannot_take():
+    """3 devices divide no dimension of the MLP's large kernels: fsdp is not listed."""
+    three = ["cluster.hosts=3", "cluster.devices_per_host=1", "trainer.global_batch=63"]
+    plan = make_plan(run_config(three))
+    listed = {cost.strategy for cost in plan.alternatives}
+    assert listed == {"data_parallel", "model_parallel"}
+    assert "fsdp" in {cost.strategy for cost in make_plan(run_config([])).alternatives}
+
+
 def fastest(overrides: list[str]) -> tuple[str, MeshShape]:
     """The strategy and mesh the plan predicts the shortest step for, 2 hosts × 4 devices."""
     cfg = run_config(["model=wide_mlp", "trainer.global_batch=16384", *overrides])

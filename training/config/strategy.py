@@ -47,9 +47,14 @@ class StrategyConfig:
         )
         self.layout_rules = checked_layout_rules("strategy.layout_rules", self.layout_rules)
         require(
-            not self.fsdp or self.name == "hybrid",
+            not self.fsdp or self.name in ("hybrid", "fsdp"),
             f"strategy.fsdp=true splits weights over the data axis of strategy=hybrid; with "
             f"strategy={self.name} use strategy=fsdp (no model axis) or strategy=hybrid",
+        )
+        require(
+            not (self.name == "fsdp" and self.layout == AUTO_LAYOUT),
+            "strategy.layout=auto derives rules for a model axis, which strategy=fsdp does not "
+            "have; use strategy=hybrid strategy.fsdp=true strategy.layout=auto",
         )
 
     @property

@@ -15,7 +15,7 @@ from training.contracts import ACTIVATION_RULE_SUFFIX, Dataset, DataSpec, Layout
 from training.data import build_dataset
 from training.models.remat import remat_layers
 from training.parallel import auto_layout, costs, fsdp
-from training.parallel.mesh import MeshShape, resolve_mesh
+from training.parallel.mesh import MeshShape, resolve_mesh, settled
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 
@@ -70,7 +70,7 @@ def preflight(cfg: RunConfig) -> Checked:
     variables = [models.variable_info(v) for v in model.variables]
     layout, rules = None, None
     if cfg.strategy.name == "fsdp":
-        rules = fsdp.without_model_axis(cfg.strategy.layout_rules)
+        rules = fsdp.user_rules_only(cfg.strategy.layout_rules)
     elif auto_layout.uses_auto_layout(cfg):
         layout = auto_layout.derive(model, mesh.model, cfg.strategy.layout_rules)
         rules = layout.rules
@@ -108,7 +108,7 @@ def with_layout(cfg: RunConfig, checked: Checked) -> RunConfig:
     derives them (strategy.layout=auto) or weighs one rule against another."""
     if checked.rules is None:
         return cfg
-    return auto_layout.settled(cfg, checked.rules)
+    return settled(cfg, checked.rules)
 
 
 def check_memory_fits(

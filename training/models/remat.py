@@ -48,39 +48,58 @@ def remat_scope(remat: str) -> Iterator[None]:
         yield
 
 
-def remat_layers(model, remat: str) -> list[str]:
+def remat_layers(model, remat: str) -> None:
     """Mark the layers of a built model that `remat` (`full` or a regex) names for
-    rematerialisation; their paths."""
+    rematerialisation: the outermost such layers (not the models that hold them), each
+    recomputed whole. A layer that updates state in the step (dropout's seed, batch norm's
+    statistics) is not marked, its sublayers are instead: Keras writes that state from
+    inside the call, which jax.checkpoint cannot carry out."""
     if remat in (NO_REMAT, ACTIVATIONS):
-        return []
-    import keras
+        return
     from keras.src.backend.common.remat import RematMode
 
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=False)
-        if not isinstance(layer, keras.Model)
-        and (remat == EVERY_LAYER or re.fullmatch(remat, layer.path or ""))
-    ]
+    layers = list(
+        _outermost(
+            model, lambda layer: remat == EVERY_LAYER or bool(re.fullmatch(remat, layer.path or ""))
+        )
+    )
     if not layers:
         every = model._flatten_layers(include_self=False)
         paths = ", ".join(layer.path for layer in every if layer.path)
         raise ConfigError(
             f"trainer.remat={remat!r} is not one of {', '.join(MODES)}, and as a regex it "
-            f"matches no layer's path; the model's layers: {paths}"
+            "matches no layer's path (of a layer that does not update state in the step, as "
+            f"dropout and batch norm do); the model's layers: {paths}"
         )
     for layer in layers:
         layer._remat_mode = RematMode(EVERY_LAYER, None, [])
         layer.rematerialized_call = types.MethodType(_checkpointed, layer)
-    return [layer.path for layer in layers]
 
 
-def _checkpointed(layer, call, *args, **kwargs):
+def _outermost(container, wanted) -> Iterator:
+    """The outermost layers under `container` that are `wanted`, are no model and update
+    no state."""
+    import keras
+
+    for layer in container._flatten_layers(include_self=False, recursive=False):
+        if (
+            wanted(layer)
+            and not isinstance(layer, keras.Model)
+            and not layer.non_trainable_variables
+        ):
+            yield layer
+        else:
+            yield from _outermost(layer, wanted)
+
+
+def _checkpointed(layer, call, *_args, **_kwargs):
     """`call` under `jax.checkpoint`, its positional inputs traced, its keywords
-    (`training`, masks) closed over."""
+    (`training`, masks) closed over; called as it is where an input is not an array."""
     import jax
 
     def checkpointed_call(*args, **kwargs):
+        if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args)):
+            return call(*args, **kwargs)
         return jax.checkpoint(lambda *inputs: call(*inputs, **kwargs))(*args)
 
     return checkpointed_call

@@ -69,7 +69,9 @@ class _Kept(Derivation):
         super().__init__(rules, n, examples, value_bytes)
         self.kept = 0.0
         self.largest = 0.0
-        self.counted: set[int] = set()
+        # id -> the tensor: kept alive, so that no later tensor (of a layer's graph traced
+        # for the walk and then dropped) reuses a counted one's id
+        self.counted: dict[int, object] = {}
         self.producer = None  # the operation whose outputs are being recorded
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
         self.inside_remat: dict[str, float] = {}  # its path -> the bytes made inside it
@@ -77,7 +79,7 @@ class _Kept(Derivation):
     def _node(self, node) -> None:
         layer = node.operation
         outer = self.remat_layer
-        if outer is None and getattr(layer, "_remat_mode", None) is not None:
+        if outer is None and getattr(getattr(layer, "_remat_mode", None), "mode", "") == "full":
             self.remat_layer = getattr(layer, "path", None) or layer.name
         try:
             self.producer = layer
@@ -96,7 +98,7 @@ class _Kept(Derivation):
         for tensor in tensors:
             if id(tensor) in self.counted:
                 continue
-            self.counted.add(id(tensor))
+            self.counted[id(tensor)] = tensor
             whole = self._get(tensor) in (REPLICATED, PARTIAL)
             size = self._bytes(tensor) / (1 if whole else self.n)
             self.largest = max(self.largest, size)

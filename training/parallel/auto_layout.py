@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
@@ -92,14 +92,6 @@ def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
 
     model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
     return derive(model, mesh_model, cfg.strategy.layout_rules)
-
-
-def settled(cfg: RunConfig, rules: LayoutRules) -> RunConfig:
-    """The config the hosts get: settled rules (derived, or weighed by precedence, fsdp's
-    split added) as the model's own, exactly what a user who copied them would run, so that
-    no host derives anything."""
-    rules = {pattern: list(axes) for pattern, axes in rules.items()}
-    return replace(cfg, model=replace(cfg.model, layout="", layout_rules=rules))
 
 
 def uses_auto_layout(cfg: RunConfig) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from training.config import RunConfig
 from training.parallel import collectives
-from training.parallel.mesh import MeshShape, device_grid
+from training.parallel.mesh import MeshShape, device_grid, settled
 
 # The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
 # (8 heads, so that model parallelism can split it 8 ways).
@@ -57,7 +57,6 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     # Imported here: keras, which the benchmarks' constants above need not import.
     from training.build import build_on_grid
     from training.data import build_dataset
-    from training.parallel.auto_layout import settled
     from training.parallel.costs import abstract_model, layout_rules
 
     if cfg.strategy.name != "data_parallel":  # as the driver settles it for the hosts

@@ -1,6 +1,7 @@
 """What a strategy and mesh will cost per device, worked out from the model's abstract
-variables: parameter, optimizer and activation bytes, the collectives of one training step,
-and the step time of a simple bandwidth/latency model.
+variables: parameter, optimizer, gradient and activation bytes, the collectives of one
+training step, and the step time of a simple bandwidth/latency model; whether a strategy fits
+`plan.device_memory_gb`, and which do.
 
 Everything is per micro-batch step (`trainer.global_batch / trainer.accumulate` examples),
 the unit in which the hosts run the compiled step.
@@ -24,7 +25,7 @@ from training.parallel.activations import activation_bytes
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
-from training.parallel.fsdp import shard_over_data, without_model_axis
+from training.parallel.fsdp import shard_over_data, user_rules_only
 from training.parallel.mesh import MeshShape
 from training.parallel.tensor_parallel import model_axis_collectives
 from training.recipe.optimizer import build_optimizer
@@ -68,7 +69,7 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> Abs
         if model is None:
             model = models.abstract_model(cfg.model, data_spec)
             remat_layers(model, cfg.trainer.remat)
-        with keras.StatelessScope():
+        with models.without_weights():  # the slots stay abstract: none is allocated
             optimizer.build(model.trainable_variables)
     finally:
         keras.config.set_dtype_policy(previous)
@@ -118,7 +119,7 @@ def layout_rules(
     if strategy == "data_parallel":
         return {}
     if strategy == "fsdp":
-        rules = without_model_axis(cfg.strategy.layout_rules)
+        rules = user_rules_only(cfg.strategy.layout_rules)
     elif cfg.strategy.layout == AUTO_LAYOUT:
         rules = derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
     else:
@@ -333,7 +334,7 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
     alternatives = (
         "these fit: "
         + ", ".join(
-            f"strategy={s} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
+            f"{_named(cfg, s)} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
             for s, m, c in fits
         )
         if fits
@@ -341,7 +342,7 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
         "trainer.global_batch (or trainer.accumulate)"
     )
     return (
-        f"strategy={cfg.strategy.name} on mesh {mesh.data}×{mesh.model} needs "
+        f"{_named(cfg, cfg.strategy.name)} on mesh {mesh.data}×{mesh.model} needs "
         f"{readable_bytes(memory.total_bytes)} per device by the plan (weights "
         f"{readable_bytes(memory.parameter_bytes)}, optimizer state "
         f"{readable_bytes(memory.optimizer_bytes)}, gradients "
@@ -349,3 +350,10 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
         f"{readable_bytes(memory.activation_bytes)}), more than plan.device_memory_gb="
         f"{budget:g}; {alternatives}"
     )
+
+
+def _named(cfg: RunConfig, strategy: str) -> str:
+    """The overrides that select `strategy` as the plan costs it (hybrid keeps the configured
+    strategy.fsdp)."""
+    fsdp = " strategy.fsdp=true" if strategy == "hybrid" and cfg.strategy.fsdp else ""
+    return f"strategy={strategy}{fsdp}"

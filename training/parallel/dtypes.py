@@ -43,8 +43,9 @@ def hlo_dtype_bytes(name: str) -> int | None:
 
 
 def readable_bytes(n: float) -> str:
-    """`1.23 GB`, `456 MB`, `7.8 kB`, `12 B`."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
+    """`1.23 GB`, `456 MB`, `7.8 kB`, `12 B`: three significant digits, in the unit that keeps
+    them below 1000 once rounded."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if float(f"{n:.3g}") >= size:
+            return f"{float(f'{n / size:.3g}'):g} {unit}"
     return f"{n:.0f} B"

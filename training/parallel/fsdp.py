@@ -28,10 +28,10 @@ from training.parallel.dtypes import array_bytes
 DATA_AXIS = "data"
 
 
-def without_model_axis(given: dict) -> LayoutRules:
-    """strategy=fsdp's starting rules: only the user's `strategy.layout_rules`. A model's own
-    rules are tensor-parallel ones, for a model axis fsdp does not have (keras-hub's also put
-    `data` on dimensions sized for a small data axis)."""
+def user_rules_only(given: dict) -> LayoutRules:
+    """strategy=fsdp's rules before the split over `data`: the user's `strategy.layout_rules`
+    only. A model's own rules are tensor-parallel ones, for a model axis fsdp does not have
+    (keras-hub's also put `data` on dimensions sized for a small data axis)."""
     return {pattern: tuple(axes) for pattern, axes in given.items()}
 
 
@@ -71,26 +71,25 @@ def _with_data_axis(variable: VariableInfo, axes: tuple, data: int) -> tuple:
 
 def gather_for_use(model) -> None:
     """Make the model's step use each weight split over `data` whole over `data` (still
-    split over `model` as laid out): the model's `compute_loss_and_updates`, which Keras'
-    `train_step` and `test_step` call, receives the weights so constrained."""
-    import jax
-
-    trainable = [_gathered(v) for v in model.trainable_variables]
-    non_trainable = [_gathered(v) for v in model.non_trainable_variables]
+    split over `model` as laid out), its gradient reduced straight to the weight's shards:
+    the model's `compute_loss_and_updates`, which Keras' `train_step` and `test_step` call,
+    receives the weights so gathered."""
+    trainable = [_gather(v) for v in model.trainable_variables]
+    non_trainable = [_gather(v) for v in model.non_trainable_variables]
     if not any(trainable + non_trainable):
         return
     compute = model.compute_loss_and_updates
 
-    def constrained(values, shardings):
+    def gathered(values, gathers):
         return [
-            value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
-            for value, sharding in zip(values, shardings, strict=True)
+            value if gather is None else gather(value)
+            for value, gather in zip(values, gathers, strict=True)
         ]
 
     def compute_with_gathered_weights(trainable_values, non_trainable_values, *args, **kwargs):
         return compute(
-            constrained(trainable_values, trainable),
-            constrained(non_trainable_values, non_trainable),
+            gathered(trainable_values, trainable),
+            gathered(non_trainable_values, non_trainable),
             *args,
             **kwargs,
         )
@@ -98,21 +97,31 @@ def gather_for_use(model) -> None:
     model.compute_loss_and_updates = compute_with_gathered_weights
 
 
-def _gathered(variable):
-    """The variable's sharding with the data axis taken out, or None where it has none."""
+def _gather(variable):
+    """For a variable split over `data`: the function that gathers its value over `data`,
+    whose gradient is constrained back to the variable's own layout, so that XLA reduces it
+    over `data` straight to each device's shard (a reduce-scatter) rather than whole (the
+    transpose of a plain sharding constraint keeps the gathered layout: an all-reduce).
+    None for a variable not split over `data`."""
+    import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = variable.value.sharding
-    if not isinstance(sharding, NamedSharding):
+    if not isinstance(sharding, NamedSharding) or DATA_AXIS not in sharding.spec:
         return None
-    spec = [_without_data(entry) for entry in sharding.spec]
-    if spec == list(sharding.spec):
-        return None
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    whole_over_data = NamedSharding(
+        sharding.mesh, PartitionSpec(*(None if a == DATA_AXIS else a for a in sharding.spec))
+    )
 
+    @jax.custom_vjp
+    def gather(value):
+        return jax.lax.with_sharding_constraint(value, whole_over_data)
 
-def _without_data(entry):
-    if isinstance(entry, tuple):
-        kept = tuple(axis for axis in entry if axis != DATA_AXIS)
-        return kept if len(kept) > 1 else (kept[0] if kept else None)
-    return None if entry == DATA_AXIS else entry
+    def forward(value):
+        return gather(value), None
+
+    def backward(_, gradient):
+        return (jax.lax.with_sharding_constraint(gradient, sharding),)
+
+    gather.defvjp(forward, backward)
+    return gather

@@ -8,11 +8,12 @@ hosts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from training.config import AUTO, ConfigError, MeshConfig
+from training.config import AUTO, ConfigError, MeshConfig, RunConfig
+from training.contracts import LayoutRules
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,15 @@ def build_distribution(strategy: str, grid: np.ndarray, layout_rules: dict):
     for pattern, axes in layout_rules.items():
         layout_map[pattern] = tuple(axes)
     return kd.ModelParallel(layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=False)
+
+
+def settled(cfg: RunConfig, rules: LayoutRules) -> RunConfig:
+    """The config the hosts get: settled rules (derived, weighed by precedence, fsdp's split
+    over `data` added) as the model's own and the only ones, exactly what a user who copied
+    them would run, so that no host derives or weighs anything."""
+    rules = {pattern: list(axes) for pattern, axes in rules.items()}
+    return replace(
+        cfg,
+        model=replace(cfg.model, layout="", layout_rules=rules),
+        strategy=replace(cfg.strategy, layout_rules={}),
+    )

@@ -1,0 +1,222 @@
+"""Memory per device under each strategy, as XLA compiles the step, against the plan; what
+fsdp sends against its minimum; what rematerialisation saves and costs; a model that does not
+fit one device's budget. One process, 8 simulated CPU devices; every figure is a ratio of two
+measurements made here (only the remat step time is timed, both runs in this process).
+
+    python scripts/bench_memory.py [--quick]   # --quick: skips the plan-vs-compiled grid
+
+1. fsdp (8 devices) and hybrid with fsdp (2 × 4): weights + optimizer state per device
+   against (total ÷ 8) + the vectors left whole; bytes sent per step against the FSDP
+   minimum: each split weight all-gathered once (kept for the backward pass), its gradient
+   reduce-scattered, the rest all-reduced. XLA:CPU all-reduces the split weights' gradients
+   and slices them; the figure counts that all-reduce as the reduce-scatter of the same
+   payload that XLA:GPU's reduce-scatter creator makes of it.
+2. trainer.remat=full on the transformer at model.seq_len=512: compiled temporaries and step
+   time against trainer.remat=none.
+3. plan ÷ compiled, per device: the state (weights, optimizer) against XLA's arguments, the
+   whole (state, gradients, activations) against arguments + temporaries; the MLP, the
+   transformer and the tiny Llama, under each strategy, with and without remat.
+4. wide_mlp against a budget (plan.device_memory_gb) below its weights + optimizer state:
+   the plan's verdict per strategy, and fsdp's compiled peak against the budget.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from training.models.remat import cpu_xla_flags
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags(8)
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["KERAS_BACKEND"] = "jax"
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+
+from training.build import build_on_grid  # noqa: E402
+from training.config import ConfigError, compose_run_config  # noqa: E402
+from training.data import build_dataset  # noqa: E402
+from training.models import rule_axes  # noqa: E402
+from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
+from training.parallel.compiled import compiled_train_step, measure_step  # noqa: E402
+from training.parallel.costs import (  # noqa: E402
+    abstract_model,
+    layout_rules,
+    memory_cost,
+    split_ways,
+)
+from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
+from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
+
+ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
+TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
+MODELS = {
+    "mlp": ["model=mlp", "trainer.global_batch=16"],
+    "wide_mlp": ["model=wide_mlp", "trainer.global_batch=16"],
+    "transformer": TRANSFORMER,
+    "llama": ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"],
+}
+STRATEGIES = {
+    "data_parallel": ("data_parallel", MeshShape(8, 1), []),
+    "fsdp": ("fsdp", MeshShape(8, 1), []),
+    "hybrid": ("hybrid", MeshShape(2, 4), []),
+    "hybrid+fsdp": ("hybrid", MeshShape(2, 4), ["strategy.fsdp=true"]),
+    "model_parallel": ("model_parallel", MeshShape(1, 8), []),
+}
+
+
+def config(model: str, strategy: str, *extra: str):
+    name, mesh, overrides = STRATEGIES[strategy]
+    return compose_run_config(
+        [*ONE_HOST, *MODELS[model], f"strategy={name}", f"mesh.data={mesh.data}"]
+        + [f"mesh.model={mesh.model}", *overrides, *extra]
+    ), mesh
+
+
+def measured(cfg, mesh):
+    try:
+        return measure_step(cfg, mesh)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def fsdp_figures(model: str, strategy: str) -> None:
+    cfg, mesh = config(model, strategy)
+    plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    rules = layout_rules(cfg, cfg.strategy.name, mesh, plan_model)
+    step = measured(cfg, mesh)
+    state = step.parameter_bytes_per_device + step.optimizer_bytes_per_device
+    whole = [v for v in plan_model.variables if split_ways(v.path, rules, mesh) == 1]
+    slots = [v for v, owner in plan_model.optimizer_variables if owner in {w.path for w in whole}]
+    total = sum(array_bytes(v.shape, v.dtype) for v in plan_model.variables) + sum(
+        array_bytes(v.shape, v.dtype) for v, _ in plan_model.optimizer_variables
+    )
+    left_whole = sum(array_bytes(v.shape, v.dtype) for v in [*whole, *slots])
+    ideal = (total - left_whole) / mesh.devices + left_whole
+    print(
+        f"  {model} {strategy} {mesh.data}×{mesh.model}: weights + optimizer state per device "
+        f"{readable_bytes(state)}, (total ÷ {mesh.devices}) + vectors whole "
+        f"{readable_bytes(ideal)}: ratio {state / ideal:.3f}"
+    )
+    if mesh.model > 1:
+        return
+    split = [
+        v
+        for v in plan_model.variables
+        if v.path in plan_model.trainable and "data" in rule_axes(v.path, rules)
+    ]
+    split_bytes = sum(array_bytes(v.shape, v.dtype) for v in split)
+    replicated = sum(
+        array_bytes(v.shape, v.dtype)
+        for v in plan_model.variables
+        if v.path in plan_model.trainable and v not in split
+    )
+    minimum = sent_bytes(
+        [
+            Collective("all-gather", split_bytes, mesh.data),
+            Collective("reduce-scatter", split_bytes, mesh.data),
+            Collective("all-reduce", replicated, mesh.data),
+        ]
+    )
+    as_on_gpu = []
+    for c in step.collectives:
+        if c.kind == "all-reduce" and c.bytes >= split_bytes:  # the gradients, combined
+            as_on_gpu += [
+                Collective("reduce-scatter", split_bytes, c.group),
+                Collective("all-reduce", c.bytes - split_bytes, c.group),
+            ]
+        else:
+            as_on_gpu.append(c)
+    kinds = sorted({c.kind for c in step.collectives})
+    print(
+        f"    sent per step {readable_bytes(sent_bytes(as_on_gpu))} (XLA:CPU's "
+        f"{', '.join(kinds)}: {readable_bytes(step.sent_bytes)}), FSDP minimum "
+        f"{readable_bytes(minimum)}: ratio {sent_bytes(as_on_gpu) / minimum:.3f}"
+    )
+
+
+def remat_figures() -> None:
+    cfg_args = [*ONE_HOST, *TRANSFORMER, "model.seq_len=512", "strategy=data_parallel"]
+    found = {}
+    for remat in ("none", "full"):
+        cfg = compose_run_config([*cfg_args, f"trainer.remat={remat}"])
+        model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(8, 1)))
+        x, y = dataset.batch("train", 0, 16, slice(0, 16))
+        temporaries = compiled_train_step(model, x, y).memory_analysis().temp_size_in_bytes
+        model.train_on_batch(x, y)  # compiled
+        start = time.perf_counter()
+        for _ in range(5):
+            loss = model.train_on_batch(x, y)
+        jax.block_until_ready(loss)
+        found[remat] = (temporaries, (time.perf_counter() - start) / 5)
+        keras.distribution.set_distribution(None)
+    (t0, s0), (t1, s1) = found["none"], found["full"]
+    print(
+        f"  transformer, model.seq_len=512, 8 devices: temporaries {readable_bytes(t1)} with "
+        f"remat, {readable_bytes(t0)} without: ratio {t1 / t0:.3f}; step {s1 * 1e3:.0f} ms vs "
+        f"{s0 * 1e3:.0f} ms: ratio {s1 / s0:.3f}"
+    )
+
+
+def plan_against_compiled() -> None:
+    print(f"  {'model':12} {'strategy':15} {'remat':5} {'state':>7} {'peak':>7}  plan peak")
+    for model in ("mlp", "transformer", "llama"):
+        for strategy in STRATEGIES:
+            for remat in ("none", "full"):
+                cfg, mesh = config(model, strategy, f"trainer.remat={remat}")
+                try:
+                    plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
+                    plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+                    step = measured(cfg, mesh).memory
+                except (ConfigError, ValueError) as error:
+                    print(f"  {model:12} {strategy:15} {remat:5} -: {str(error)[:60]}")
+                    continue
+                print(
+                    f"  {model:12} {strategy:15} {remat:5} {plan.state_bytes / step.arguments:7.2f}"
+                    f" {plan.total_bytes / step.peak:7.2f}  {readable_bytes(plan.total_bytes)}"
+                    f" (compiled {readable_bytes(step.peak)})"
+                )
+
+
+def budget_figures() -> None:
+    budget_gb = 0.2
+    cfg, mesh = config("wide_mlp", "data_parallel", f"plan.device_memory_gb={budget_gb}")
+    plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    state = sum(array_bytes(v.shape, v.dtype) for v in plan_model.variables) + sum(
+        array_bytes(v.shape, v.dtype) for v, _ in plan_model.optimizer_variables
+    )
+    print(
+        f"  wide_mlp: weights + optimizer state {readable_bytes(state)}, budget "
+        f"plan.device_memory_gb={budget_gb}"
+    )
+    for strategy in ("data_parallel", "fsdp"):
+        cfg, mesh = config("wide_mlp", strategy, f"plan.device_memory_gb={budget_gb}")
+        plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+        fits = plan.total_bytes <= budget_gb * 1e9
+        line = f"    {strategy}: the plan says {readable_bytes(plan.total_bytes)} per device, "
+        line += "fits" if fits else "does not fit"
+        if fits:
+            peak = measured(cfg, mesh).memory.peak
+            line += f"; compiled peak {readable_bytes(peak)}: {peak / (budget_gb * 1e9):.2f} of it"
+        print(line)
+
+
+def main(argv: list[str]) -> None:
+    print("1. fsdp: state per device and bytes sent")
+    for model in ("wide_mlp", "transformer"):
+        fsdp_figures(model, "fsdp")
+    fsdp_figures("wide_mlp", "hybrid+fsdp")
+    print("2. rematerialisation")
+    remat_figures()
+    if "--quick" not in argv:
+        print("3. plan ÷ compiled, per device (state: weights + optimizer; peak: + temporaries)")
+        plan_against_compiled()
+    print("4. a model over the budget")
+    budget_figures()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
