@@ -4,8 +4,9 @@
 # transformer big enough that a bfloat16 step takes >= 5 ms, prints its examples/s and model
 # FLOPs utilisation, then benchmark 1 (scripts/bench_overhead.py) on the GPU, then a LoRA
 # fine-tune of a Gemma preset (~150M parameters, random weights, made offline by
-# scripts/make_preset.py) in bfloat16: tokens/s and the GPU's peak memory. Every figure is
-# printed; nothing is compared against a threshold except the 5 ms step check.
+# scripts/make_preset.py) in bfloat16: tokens/s and the GPU's peak memory; then the transformer
+# under data parallel and fsdp on every GPU of the machine: examples/s and memory per GPU.
+# Every figure is printed; nothing is compared against a threshold except the 5 ms step check.
 #
 #   scripts/gpu_check.sh            # PEAK_TFLOPS=989 to give the GPU's bf16 peak yourself
 set -euo pipefail
@@ -103,4 +104,28 @@ print(f"tokens/s {summary['examples_per_second'] * seq_len:,.0f} "
       f"final loss {summary['final_loss']:.4f}")
 print(f"GPU 0 peak memory used {max(used, default=0):,} MiB (nvidia-smi, every 0.5 s)")
 PY
+echo "== fsdp beside data parallel on every GPU here (the transformer above, bfloat16)"
+# With one GPU both are the same program (nothing to split over): the figures match.
+ALL_GPUS=()
+for arg in "${RUN[@]}"; do [[ $arg == cluster.gpus=* ]] || ALL_GPUS+=("$arg"); done
+for STRATEGY in data_parallel fsdp; do
+    (while sleep 0.5; do
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1
+    done) > "$OUT/$STRATEGY.memory.log" &
+    SAMPLER=$!
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m training.run "${ALL_GPUS[@]}" \
+        "strategy=$STRATEGY" "hydra.run.dir=$OUT/$STRATEGY" 2>&1 | tail -3
+    kill "$SAMPLER"
+    python - "$OUT/$STRATEGY/summary.json" "$OUT/$STRATEGY.memory.log" <<'PY'
+import json, sys
+
+summary = json.load(open(sys.argv[1]))
+used = [int(line) for line in open(sys.argv[2]) if line.strip().isdigit()]
+print(f"{summary['config']['strategy']['name']}: {summary['devices_total']} GPU(s), "
+      f"examples/s {summary['examples_per_second']:.1f}, parameters "
+      f"{summary['parameter_bytes_per_device']:,} bytes per GPU of "
+      f"{summary['parameter_bytes_total']:,}; peak memory of the fullest GPU "
+      f"{max(used, default=0):,} MiB (nvidia-smi, every 0.5 s)")
+PY
+done
 echo "== done; logs in $OUT"
