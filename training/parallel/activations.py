@@ -11,7 +11,12 @@ model axis):
   layer's is added once);
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
-  attention).
+  attention);
+- with a model axis, what XLA's partitioner materialises around the collectives (read from
+  XLA:CPU's buffer assignment of the built-in transformer under hybrid 2 × 4): every
+  elementwise result on a whole activation (a residual sum after an all-reduce no longer
+  fuses into its consumer) and one copy of each whole activation a contraction reads (a
+  column-split projection's input, reshaped for the partitioned dot).
 
 A model without a graph to follow keeps each top-level layer's output.
 """
@@ -72,6 +77,7 @@ class _Kept(Derivation):
         # id -> the tensor: kept alive, so that no later tensor (of a layer's graph traced
         # for the walk and then dropped) reuses a counted one's id
         self.counted: dict[int, object] = {}
+        self.copied: dict[int, object] = {}
         self.producer = None  # the operation whose outputs are being recorded
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
         self.inside_remat: dict[str, float] = {}  # its path -> the bytes made inside it
@@ -93,13 +99,13 @@ class _Kept(Derivation):
         """Record the outputs of the current producer: kept, or (inside a rematerialised
         layer) made again in its backward pass. A rematerialised layer's own outputs are
         kept (`always`)."""
-        if not (always or _keeps_output(self.producer)):
-            return
+        keeps = always or _keeps_output(self.producer)
         for tensor in tensors:
-            if id(tensor) in self.counted:
+            whole = self._get(tensor) in (REPLICATED, PARTIAL)
+            materialised = self.n > 1 and whole and _leaf(self.producer)
+            if id(tensor) in self.counted or not (keeps or materialised):
                 continue
             self.counted[id(tensor)] = tensor
-            whole = self._get(tensor) in (REPLICATED, PARTIAL)
             size = self._bytes(tensor) / (1 if whole else self.n)
             self.largest = max(self.largest, size)
             if self.remat_layer is not None and not always:
@@ -108,6 +114,16 @@ class _Kept(Derivation):
                 )
             else:
                 self.kept += size
+
+    def _einsum(self, equation: str, x, kernel, y, path: str):
+        """A contraction; with a model axis, the copy XLA makes of a whole input is kept
+        too, once per input however many contractions read it."""
+        state = super()._einsum(equation, x, kernel, y, path)
+        whole = self._get(x) in (REPLICATED, PARTIAL)
+        if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
+            self.copied[id(x)] = x
+            self.kept += self._bytes(x)
+        return state
 
 
 def _keeps_output(operation) -> bool:
@@ -122,3 +138,9 @@ def _keeps_output(operation) -> bool:
         return True
     kinds = (Einsum, Matmul, DotProductAttention, Softmax, keras.layers.Softmax)
     return isinstance(operation, kinds)
+
+
+def _leaf(operation) -> bool:
+    """An operation that makes its outputs itself: not a layer followed through its own
+    graph (whose inner operations are counted)."""
+    return not getattr(operation, "_layers", None) and not hasattr(operation, "_nodes_by_depth")
