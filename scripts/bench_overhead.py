@@ -18,7 +18,8 @@
    persistent compilation cache; a fresh cache directory for the pair). Target <= 0.3.
 5. Time to first step of the system on a Ray instance already running (`ray start --head`,
    which a local run joins when it has room: `cluster.use_running`), compiling from
-   scratch, against the plain processes: the warm start. Target <= 1.15.
+   scratch, in a new process timed from its launch as the plain ones are, against the
+   plain processes: the warm start. Target <= 1.15.
 
 Fake CPU devices share the machine's cores and other work on the machine adds noise:
 compare the ratios of one run, not absolute times.
@@ -93,7 +94,7 @@ def result_of(process: subprocess.Popen) -> dict:
 # ---- 2, 3, 4: the system ---------------------------------------------------------------
 
 
-def run_system(overrides: list[str]) -> dict:
+def run_system(overrides: list[str], launched: float = PROCESS_STARTED) -> dict:
     from rich.console import Console
 
     from training.run import run_training
@@ -106,13 +107,13 @@ def run_system(overrides: list[str]) -> dict:
     phases = summary["phase_seconds"]
     return {
         "step_seconds": max(summary["per_host_step_seconds"]),
-        "since_start": imported - PROCESS_STARTED,
+        "since_start": imported - launched,
         "first_step_seconds": driver_before_supervisor + phases["first_step"],
         "compile_and_first_step": phases["first_step"] - phases["model_built"],
         "compile_seconds": summary["compile_seconds"],
         "compile_cache": summary["compile_cache"],
         "breakdown": {
-            "config, Ray start, checks (hosts start meanwhile)": driver_before_supervisor,
+            "config, Ray, hosts requested, checks": driver_before_supervisor,
             "actors placed + started": phases["actors_started"] - phases["ray_ready"],
             "jax.distributed joined": phases["jax_cluster_joined"] - phases["actors_started"],
             "model built": phases["model_built"] - phases["jax_cluster_joined"],
@@ -358,14 +359,20 @@ def running_ray_instance():
         process.wait(timeout=60)
 
 
-def report_warm(first: dict, warm: dict, plain: dict) -> None:
-    # The same interpreter start and imports as the first run's (this process made them).
-    system_first = first["since_start"] + warm["first_step_seconds"]
+def run_system_afresh(overrides: list[str]) -> dict:
+    """`run_system` in a new process, as a user's `python -m training.run` starts: nothing
+    imported yet. Timed from its launch."""
+    return result_of(child(["--system", str(time.time()), *overrides], 4, dict(os.environ)))
+
+
+def report_warm(warm: dict, plain: dict) -> None:
+    system_first = warm["since_start"] + warm["first_step_seconds"]
     print(
         f"5. time to first step on a running Ray instance (warm start; compile from scratch): "
         f"system {system_first:.1f} s, plain processes {plain['first_step_seconds']:.1f} s: "
         f"ratio {system_first / plain['first_step_seconds']:.2f} (target <= 1.15)"
     )
+    print(f"     {'launch + imports':38s} {warm['since_start']:6.2f} s")
     for phase, seconds in warm["breakdown"].items():
         print(f"     {phase:38s} {seconds:6.2f} s")
 
@@ -382,6 +389,7 @@ def main() -> None:
     )
     parser.add_argument("--plain", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--loop", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--system", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain:  # a child: process, port, launch time, steps, overrides
         process, port, launched, steps, *overrides = args.plain
@@ -390,6 +398,10 @@ def main() -> None:
                 plain_process(int(process), int(port), float(launched), int(steps), overrides)
             )
         )
+        return
+    if args.system:  # a child: launch time, overrides
+        launched, *overrides = args.system
+        print(json.dumps(run_system(overrides, float(launched))))
         return
     if args.loop:  # a child with 1 device
         print(json.dumps(loop_overhead(args.loop, args.loop_overrides)))
@@ -403,13 +415,13 @@ def main() -> None:
         first = run_system(overrides)
         second = run_system(overrides)
     with tempfile.TemporaryDirectory() as cache, running_ray_instance():
-        warm = run_system(
+        warm = run_system_afresh(
             [*SYSTEM, f"trainer.steps={args.steps}", f"trainer.compile_cache_dir={cache}"]
         )
     plain = run_plain([*SYSTEM, f"trainer.steps={args.steps}"], args.steps)
     loop = result_of(child(loop_args, 1))
     report(loop, first, second, plain)
-    report_warm(first, warm, plain)
+    report_warm(warm, plain)
 
 
 if __name__ == "__main__":

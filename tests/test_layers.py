@@ -103,3 +103,16 @@ def test_a_wrong_way_import_is_caught():
     assert wrong_way("training.driver.supervisor", {"training.host.actor"}) == []
     assert wrong_way("training.parallel.costs", {"training.plan"}) == ["training.plan"]
     assert wrong_way("training.plan", {"training.parallel.costs"}) == []
+
+
+def test_the_run_requests_its_hosts_before_it_imports_keras():
+    """Keras takes seconds to import; the hosts' actors start while the driver imports it
+    for its checks (`training.run.run_training`), not after."""
+    import subprocess
+    import sys
+
+    probe = "import sys, training.run; print(sorted({'jax', 'keras'} & set(sys.modules)))"
+    imported = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert imported.strip() == "[]"

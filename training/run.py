@@ -35,6 +35,7 @@ from training.config import (  # noqa: E402
     to_run_config,
     with_open_dicts,
 )
+from training.driver.checked import check_sizes, with_layout  # noqa: E402
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import (  # noqa: E402
     ProgressDisplay,
@@ -44,7 +45,6 @@ from training.driver.display import (  # noqa: E402
 )
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup  # noqa: E402
-from training.driver.preflight import check_sizes, preflight, with_layout  # noqa: E402
 from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
@@ -68,6 +68,10 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 console.print(joined, highlight=False, soft_wrap=True)
             hosts = HostGroup.request(cfg.cluster)
             try:
+                # Imported once the hosts are requested: Keras takes seconds to import, and
+                # the hosts' actors start meanwhile.
+                from training.driver.preflight import preflight
+
                 checked = preflight(cfg)
                 if nothing_left_to_train(cfg, checked):
                     hosts.shutdown()

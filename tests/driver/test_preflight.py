@@ -139,6 +139,7 @@ def test_the_checks_run_once_ray_has_started_and_in_the_callers_thread(monkeypat
     import ray
 
     from training import run
+    from training.driver import preflight as checks
 
     seen = {}
 
@@ -146,7 +147,7 @@ def test_the_checks_run_once_ray_has_started_and_in_the_callers_thread(monkeypat
         seen.update(thread=threading.current_thread(), ray_up=ray.is_initialized())
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(run, "preflight", recording_preflight)
+    monkeypatch.setattr(checks, "preflight", recording_preflight)
     with pytest.raises(ConfigError, match="stop here"):
         run.run_training(run_config([]), tmp_path)
     assert seen == {"thread": threading.main_thread(), "ray_up": True}

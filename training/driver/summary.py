@@ -13,13 +13,13 @@ from pathlib import Path
 from training.checkpoint.inspection import newest_step
 from training.checkpoint.storage import directory_bytes
 from training.config import RunConfig
+from training.driver.checked import Checked
 from training.driver.metrics import (
     metric_names,
     per_host_step_seconds,
     steady_examples_per_second,
     write_json,
 )
-from training.driver.preflight import Checked
 from training.driver.restarts import Restarts
 from training.models import SPLIT_THRESHOLD_BYTES
 

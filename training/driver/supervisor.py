@@ -21,6 +21,7 @@ from ray.util.queue import Empty, Queue
 from training.checkpoint.inspection import newest_step
 from training.config import RunConfig
 from training.contracts import predicts_tokens
+from training.driver.checked import Checked
 from training.driver.cluster import ray_session
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
@@ -28,7 +29,6 @@ from training.driver.failures import HostFailure, gathered_failure, outcome
 from training.driver.logs import RunLog
 from training.driver.metrics import MetricsLog
 from training.driver.placement import HostGroup
-from training.driver.preflight import Checked
 from training.driver.restarts import Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
