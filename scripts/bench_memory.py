@@ -11,11 +11,11 @@ measurements made here (only the remat step time is timed, both runs in this pro
    reduce-scattered, the rest all-reduced. XLA:CPU all-reduces the split weights' gradients
    and slices them; the figure counts that all-reduce as the reduce-scatter of the same
    payload that XLA:GPU's reduce-scatter creator makes of it.
-2. trainer.remat=full on the transformer at model.seq_len=512: compiled temporaries and step
-   time against trainer.remat=none.
+2. trainer.remat=full and =dots on the transformer at model.seq_len=512: compiled temporaries
+   and step time against trainer.remat=none.
 3. plan ÷ compiled, per device: the state (weights, optimizer) against XLA's arguments, the
    whole (state, gradients, activations) against arguments + temporaries; the MLP, the
-   transformer and the tiny Llama, under each strategy, with and without remat.
+   transformer and the tiny Llama, under each strategy, without remat, with full and dots.
 4. wide_mlp against a budget (plan.device_memory_gb) below its weights + optimizer state:
    the plan's verdict per strategy, and fsdp's compiled peak against the budget.
 """
@@ -53,6 +53,7 @@ from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
 
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
+REMATS = ("none", "full", "dots")
 MODELS = {
     "mlp": ["model=mlp", "trainer.global_batch=16"],
     "wide_mlp": ["model=wide_mlp", "trainer.global_batch=16"],
@@ -141,7 +142,7 @@ def fsdp_figures(model: str, strategy: str) -> None:
 def remat_figures() -> None:
     cfg_args = [*ONE_HOST, *TRANSFORMER, "model.seq_len=512", "strategy=data_parallel"]
     found = {}
-    for remat in ("none", "full"):
+    for remat in REMATS:
         cfg = compose_run_config([*cfg_args, f"trainer.remat={remat}"])
         model, dataset = build_on_grid(cfg, device_grid(jax.devices(), MeshShape(8, 1)))
         x, y = dataset.batch("train", 0, 16, slice(0, 16))
@@ -153,19 +154,21 @@ def remat_figures() -> None:
         jax.block_until_ready(loss)
         found[remat] = (temporaries, (time.perf_counter() - start) / 5)
         keras.distribution.set_distribution(None)
-    (t0, s0), (t1, s1) = found["none"], found["full"]
-    print(
-        f"  transformer, model.seq_len=512, 8 devices: temporaries {readable_bytes(t1)} with "
-        f"remat, {readable_bytes(t0)} without: ratio {t1 / t0:.3f}; step {s1 * 1e3:.0f} ms vs "
-        f"{s0 * 1e3:.0f} ms: ratio {s1 / s0:.3f}"
-    )
+    t0, s0 = found["none"]
+    for remat in REMATS[1:]:
+        t1, s1 = found[remat]
+        print(
+            f"  transformer, model.seq_len=512, 8 devices, remat={remat}: temporaries "
+            f"{readable_bytes(t1)} against {readable_bytes(t0)} without: ratio {t1 / t0:.3f}; "
+            f"step {s1 * 1e3:.0f} ms against {s0 * 1e3:.0f} ms: ratio {s1 / s0:.3f}"
+        )
 
 
 def plan_against_compiled() -> None:
     print(f"  {'model':12} {'strategy':15} {'remat':5} {'state':>7} {'peak':>7}  plan peak")
     for model in ("mlp", "transformer", "llama"):
         for strategy in STRATEGIES:
-            for remat in ("none", "full"):
+            for remat in REMATS:
                 cfg, mesh = config(model, strategy, f"trainer.remat={remat}")
                 try:
                     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)

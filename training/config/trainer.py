@@ -44,7 +44,7 @@ class TrainerConfig:
     # JAX's persistent compilation cache: "" for ~/.cache/training/jax ($XDG_CACHE_HOME),
     # "off" for none, else a directory every host can write (its own or shared)
     compile_cache_dir: str = ""
-    # Rematerialisation (training.models.remat): none, full, activations, or a regex of the
+    # Rematerialisation (training.models.remat): none, full, dots, activations, or a regex of the
     # layer paths to recompute in the backward pass instead of keeping their activations
     remat: str = "none"
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)

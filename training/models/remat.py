@@ -3,6 +3,9 @@ on every host: a layer so marked keeps only its inputs for the backward pass and
 the rest there.
 
 - `full`: every layer (not the models that hold them);
+- `dots`: every layer as `full`, but keeping the outputs of its projections (matmuls with a
+  weight: JAX's `dots_with_no_batch_dims_saveable` policy, MaxText's `minimal`): what comes
+  between them (norms, activation functions, attention's scores) is recomputed;
 - `activations`: the activation functions of the layers that have one
   (`keras.RematScope(mode="activations")`): matmul outputs are kept, what an activation
   function makes of them is recomputed;
@@ -11,11 +14,13 @@ the rest there.
 Layers are marked through Keras' own mechanism (`Layer._remat_mode`, read at each call), but
 checkpointed with their call's keywords held static: Keras 3.15's `RematScope(mode="full")`
 hands `training=False` to `jax.checkpoint` as a traced value, which fails on a functional
-model and on any layer that branches on it.
+model and on any layer that branches on it. Keras has no policy-based remat: `dots` passes
+JAX's policy to the same `jax.checkpoint`.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 from collections.abc import Iterator
@@ -32,8 +37,9 @@ CPU_XLA_FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",)
 
 NO_REMAT = "none"
 EVERY_LAYER = "full"
+KEEPING_PROJECTIONS = "dots"
 ACTIVATIONS = "activations"
-MODES = (NO_REMAT, EVERY_LAYER, ACTIVATIONS)
+MODES = (NO_REMAT, EVERY_LAYER, KEEPING_PROJECTIONS, ACTIVATIONS)
 
 
 @contextmanager
@@ -49,19 +55,19 @@ def remat_scope(remat: str) -> Iterator[None]:
 
 
 def remat_layers(model, remat: str) -> None:
-    """Mark the layers of a built model that `remat` (`full` or a regex) names for
+    """Mark the layers of a built model that `remat` (`full`, `dots` or a regex) names for
     rematerialisation: the outermost such layers (not the models that hold them), each
-    recomputed whole. A layer that updates state in the step (dropout's seed, batch norm's
-    statistics) is not marked, its sublayers are instead: Keras writes that state from
-    inside the call, which jax.checkpoint cannot carry out."""
+    recomputed whole (`dots`: but for its projections' outputs). A layer that updates state
+    in the step (dropout's seed, batch norm's statistics) is not marked, its sublayers are
+    instead: Keras writes that state from inside the call, which jax.checkpoint cannot
+    carry out."""
     if remat in (NO_REMAT, ACTIVATIONS):
         return
     from keras.src.backend.common.remat import RematMode
 
+    every = remat in (EVERY_LAYER, KEEPING_PROJECTIONS)
     layers = list(
-        _outermost(
-            model, lambda layer: remat == EVERY_LAYER or bool(re.fullmatch(remat, layer.path or ""))
-        )
+        _outermost(model, lambda layer: every or bool(re.fullmatch(remat, layer.path or "")))
     )
     if not layers:
         every = model._flatten_layers(include_self=False)
@@ -71,9 +77,12 @@ def remat_layers(model, remat: str) -> None:
             "matches no layer's path (of a layer that does not update state in the step, as "
             f"dropout and batch norm do); the model's layers: {paths}"
         )
+    keeps_projections = remat == KEEPING_PROJECTIONS
     for layer in layers:
         layer._remat_mode = RematMode(EVERY_LAYER, None, [])
-        layer.rematerialized_call = types.MethodType(_checkpointed, layer)
+        layer._remat_keeps_projections = keeps_projections
+        checkpointed = functools.partial(_checkpointed, keeps_projections=keeps_projections)
+        layer.rematerialized_call = types.MethodType(checkpointed, layer)
 
 
 def _outermost(container, wanted) -> Iterator:
@@ -92,15 +101,18 @@ def _outermost(container, wanted) -> Iterator:
             yield from _outermost(layer, wanted)
 
 
-def _checkpointed(layer, call, *_args, **_kwargs):
+def _checkpointed(layer, call, *_args, keeps_projections: bool, **_kwargs):
     """`call` under `jax.checkpoint`, its positional inputs traced, its keywords
     (`training`, masks) closed over; called as it is where an input is not an array."""
     import jax
 
+    policies = jax.checkpoint_policies
+    policy = policies.dots_with_no_batch_dims_saveable if keeps_projections else None
+
     def checkpointed_call(*args, **kwargs):
         if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args)):
             return call(*args, **kwargs)
-        return jax.checkpoint(lambda *inputs: call(*inputs, **kwargs))(*args)
+        return jax.checkpoint(lambda *inputs: call(*inputs, **kwargs), policy=policy)(*args)
 
     return checkpointed_call
 

@@ -8,7 +8,7 @@ model axis):
   XLA recomputes them from those inside the backward pass's fusions;
 - under `trainer.remat`, a rematerialised layer keeps only its output: what it makes inside
   is recomputed, all of it live at once while its backward pass runs (the largest such
-  layer's is added once);
+  layer's is added once); under `trainer.remat=dots` it keeps its projections' outputs too;
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
   attention);
@@ -80,6 +80,7 @@ class _Kept(Derivation):
         self.copied: dict[int, object] = {}
         self.producer = None  # the operation whose outputs are being recorded
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
+        self.remat_keeps_projections = False  # that layer's (trainer.remat=dots)
         self.inside_remat: dict[str, float] = {}  # its path -> the bytes made inside it
 
     def _node(self, node) -> None:
@@ -87,6 +88,7 @@ class _Kept(Derivation):
         outer = self.remat_layer
         if outer is None and getattr(getattr(layer, "_remat_mode", None), "mode", "") == "full":
             self.remat_layer = getattr(layer, "path", None) or layer.name
+            self.remat_keeps_projections = getattr(layer, "_remat_keeps_projections", False)
         try:
             self.producer = layer
             super()._node(node)
@@ -108,12 +110,18 @@ class _Kept(Derivation):
             self.counted[id(tensor)] = tensor
             size = self._bytes(tensor) / (1 if whole else self.n)
             self.largest = max(self.largest, size)
-            if self.remat_layer is not None and not always:
+            if self._recomputed() and not always:
                 self.inside_remat[self.remat_layer] = (
                     self.inside_remat.get(self.remat_layer, 0.0) + size
                 )
             else:
                 self.kept += size
+
+    def _recomputed(self) -> bool:
+        """Whether the current producer's outputs are made again in the backward pass."""
+        if self.remat_layer is None:
+            return False
+        return not (self.remat_keeps_projections and _projection(self.producer))
 
     def _einsum(self, equation: str, x, kernel, y, path: str):
         """A contraction; with a model axis, the copy XLA makes of a whole input is kept
@@ -124,6 +132,13 @@ class _Kept(Derivation):
             self.copied[id(x)] = x
             self.kept += self._bytes(x)
         return state
+
+
+def _projection(operation) -> bool:
+    """A matmul with a weight: what JAX's `dots_with_no_batch_dims_saveable` keeps."""
+    import keras
+
+    return isinstance(operation, (keras.layers.Dense, keras.layers.EinsumDense))
 
 
 def _keeps_output(operation) -> bool:
