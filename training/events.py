@@ -4,9 +4,9 @@ Hosts build them and send them through a `Send`; the host actor wraps each in `F
 and puts it on a Ray queue (pickled), and the driver reads them by attribute. This module
 sits below both sides: it imports neither `training.host` nor `training.driver`.
 
-A host is in one phase at a time: joining the JAX cluster, building the model, restoring a
-checkpoint, compiling (the first step, until its result), training, evaluating or saving.
-It beats every BEAT_SECONDS with its phase; the driver bounds each phase
+A host is in one phase at a time, once it has joined the JAX cluster: building the model,
+restoring a checkpoint, compiling (the first step, until its result), training, evaluating
+or saving. It beats every BEAT_SECONDS with its phase; the driver bounds each phase
 (`training.driver.watchdog`).
 """
 
@@ -16,15 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BEAT_SECONDS = 1.0
-STARTING, JOINING, BUILDING, RESTORING, COMPILING = (
-    "starting",
-    "joining",
-    "building",
-    "restoring",
-    "compiling",
-)
+STARTING, BUILDING, RESTORING, COMPILING = ("starting", "building", "restoring", "compiling")
 # Until the first step's result: bounded together by fault.startup_timeout_s.
-STARTUP_PHASES = (STARTING, JOINING, BUILDING, RESTORING, COMPILING)
+STARTUP_PHASES = (STARTING, BUILDING, RESTORING, COMPILING)
 # Training and its pauses (exporting: the model written out at the end), each bounded by
 # fault.step_timeout_s.
 TRAINING, EVALUATING, SAVING, EXPORTING = "training", "evaluating", "saving", "exporting"
@@ -38,13 +32,6 @@ class Beat:
     phase: str
     phase_seconds: float
     step: int | None = None
-
-
-@dataclass(frozen=True)
-class Joined:
-    """The host joined the JAX cluster, after `seconds`."""
-
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -95,7 +82,7 @@ class HostWarning:
     message: str
 
 
-Event = Beat | Joined | Ready | Compiled | StepLogged | HostWarning
+Event = Beat | Ready | Compiled | StepLogged | HostWarning
 Send = Callable[[Event], None]
 
 

@@ -66,7 +66,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         with ray_session(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
             if joined:
                 console.print(joined, highlight=False, soft_wrap=True)
-            hosts = HostGroup.request(cfg.cluster)
+            hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s)
             try:
                 # Imported once the hosts are requested: Keras takes seconds to import, and
                 # the hosts' actors start meanwhile.

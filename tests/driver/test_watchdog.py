@@ -61,10 +61,10 @@ def test_a_host_still_starting_past_the_startup_bound_is_stuck_naming_phase_and_
     watchdog = Watchdog(2, FAULT, clock)
     beating(watchdog, clock, 300, "building")
     with pytest.raises(HostFailure) as failure:
-        beating(watchdog, clock, 1600, lambda host: "compiling" if host else "joining")
+        beating(watchdog, clock, 1600, lambda host: "compiling" if host else "building")
     message = str(failure.value)
     assert message.startswith(
-        "no progress: host 0 joining for 1501 s, 1801 s since it started, over "
+        "no progress: host 0 building for 1501 s, 1801 s since it started, over "
         "fault.startup_timeout_s=1800; host 1 compiling for 1501 s"
     )
     assert message.endswith("over fault.startup_timeout_s=1800; stopped all hosts")
@@ -73,7 +73,7 @@ def test_a_host_still_starting_past_the_startup_bound_is_stuck_naming_phase_and_
 
 def test_a_host_that_never_beats_is_caught_by_the_startup_bound(clock):
     watchdog = Watchdog(2, FaultConfig(startup_timeout_s=0.5), clock)
-    watchdog.saw(1, Beat("joining", 0.1))
+    watchdog.saw(1, Beat("building", 0.1))
     clock.now += 0.6
     with pytest.raises(HostFailure, match=r"host 0 starting for 1 s, over fault.startup_timeout_s"):
         watchdog.check()
@@ -188,10 +188,10 @@ def test_hosts_that_stopped_beating_are_named_first_when_a_peer_is_stuck_before_
 
 
 def test_phases_and_the_finished_step_as_the_beats_carry_them(clock):
-    phase = Phase("joining", clock)
-    assert phase.beat() == Beat("joining", 0.0)
+    phase = Phase("building", clock)
+    assert phase.beat() == Beat("building", 0.0)
     clock.now += 3
-    phase.set("joining")  # the same phase goes on
+    phase.set("building")  # the same phase goes on
     phase.set("training")
     phase.finished(7)
     clock.now += 2

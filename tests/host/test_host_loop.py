@@ -87,7 +87,7 @@ class RecordedPhase(Phase):
     """Each phase entered and each step the loop says it finished, in order."""
 
     def __init__(self) -> None:
-        super().__init__("joining")
+        super().__init__("starting")
         self.log: list = []
 
     def set(self, name: str) -> None:

@@ -14,7 +14,7 @@ class FaultConfig:
     # Hosts beat every second with what they are doing (training.host.phases); a host is declared
     # stuck when a phase outlasts its bound (JAX's own heartbeat only catches dead processes,
     # and Ray's timeouts are tens of minutes). From a host's start to its first step
-    # (joining, building, restoring, compiling), and the jax.distributed initialisation:
+    # (joining the jax.distributed cluster, building, restoring, compiling):
     startup_timeout_s: float = 1800.0
     # Once training runs: time without a finished step (a host sees a step's result at least
     # every 10 steps: this must exceed 10 steps' time), and each evaluation or save; also how

@@ -44,14 +44,17 @@ class HostGroup:
     name: str
     placement: object
     actors: list = field(default_factory=list)
+    coordinator: object = None  # host 0's answer: the jax.distributed coordinator's address
+    joins: list = field(default_factory=list)  # each host's join of the jax.distributed cluster
     local_pids: list[int] = field(default_factory=list)  # see `started`
 
     @classmethod
-    def request(cls, cluster: ClusterConfig) -> HostGroup:
+    def request(cls, cluster: ClusterConfig, join_timeout_s: float) -> HostGroup:
         """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
-        actor once its host is placed, and the actor imports its libraries at once. So a
-        group requested early (during the driver's checks, or as a spare while another
-        group trains) is ready sooner when it is needed."""
+        actor once its host is placed, and the actor imports its libraries and joins the
+        group's `jax.distributed` cluster (within `join_timeout_s`) at once. So a group
+        requested early (during the driver's checks, or as a spare while another group
+        trains) is ready sooner when it is needed."""
         bundles = host_bundles(cluster)
         _check_local_gpus_offered(cluster, bundles)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
@@ -59,6 +62,7 @@ class HostGroup:
         group = cls(cluster, name, placement)
         try:
             group._start_actors(bundles)
+            group._join(join_timeout_s)
         except BaseException:
             group.shutdown()
             raise
@@ -100,6 +104,12 @@ class HostGroup:
                 runtime_env={"env_vars": env},
             ).remote(host, cluster.hosts, cluster.platform)
             self.actors.append(actor)
+
+    def _join(self, timeout_s: float) -> None:
+        """Ray hands each host host 0's answer once it is there: no waiting here."""
+        local = self.cluster.name == "local"
+        self.coordinator = self.actors[0].coordinator_address.remote(local)
+        self.joins = [a.join_jax_cluster.remote(self.coordinator, timeout_s) for a in self.actors]
 
     def started(self, identities: list[dict]) -> None:
         """Note the hosts' processes that run on this node, to see them gone at shutdown."""

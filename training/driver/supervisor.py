@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.queue import Empty, Queue
 
 from training.checkpoint.inspection import newest_step
@@ -37,7 +37,6 @@ from training.events import (
     Compiled,
     FromHost,
     HostWarning,
-    Joined,
     Ready,
     StepLogged,
     finished_step,
@@ -141,7 +140,7 @@ class Supervisor:
         )
 
     def _run_host_group(self) -> list[dict]:
-        group, self.next_group = self.next_group or HostGroup.request(self.cfg.cluster), None
+        group, self.next_group = self.next_group or self._request_group(), None
         inbox = Queue(actor_options={"num_cpus": 0})
         try:
             group.wait_placed(self._notify)
@@ -151,16 +150,11 @@ class Supervisor:
             )
             group.started(self.seen.identities)
             self._mark("actors_started")
-            local = self.cfg.cluster.name == "local"
-            coordinator = self._from_starting_hosts(
-                group.actors[0].coordinator_address.remote(local)
-            )
-            self.seen.coordinator = coordinator
-            init_timeout = self.cfg.fault.startup_timeout_s
+            self.seen.coordinator = self._from_starting_hosts([group.coordinator])[0]
+            self._from_starting_hosts(group.joins)
+            self._mark("jax_cluster_joined")
             calls = {
-                actor.train.remote(
-                    self.cfg, self.checked.mesh, coordinator, inbox, init_timeout, os.getcwd()
-                ): host
+                actor.train.remote(self.cfg, self.checked.mesh, inbox, os.getcwd()): host
                 for host, actor in enumerate(group.actors)
             }
             return self._supervise(calls, inbox, group.actors)
@@ -170,11 +164,15 @@ class Supervisor:
             group.shutdown()
             inbox.shutdown()
 
-    def _from_starting_hosts(self, refs):
-        """The answer of host actors still starting, within the startup bound."""
+    def _from_starting_hosts(self, refs: list) -> list:
+        """The answers of host actors still starting, within the startup bound; one that
+        failed or died stops them all."""
         bound = self.cfg.fault.startup_timeout_s
         try:
             return ray.get(refs, timeout=bound)
+        except (RayTaskError, RayActorError) as error:
+            hosts = dict(zip(refs, range(len(refs)), strict=True))
+            raise gathered_failure(hosts, refs, error, 0.0, self.output_dir) from None
         except GetTimeoutError:
             raise HostFailure(
                 f"the host actors did not start within fault.startup_timeout_s={bound:g}; "
@@ -227,8 +225,6 @@ class Supervisor:
             self.restarts.recovered()
             self._request_spare()
         match event:
-            case Joined() if host == 0:
-                self._mark("jax_cluster_joined")
             case Ready():
                 self._ready(host, event)
             case Compiled():
@@ -271,7 +267,10 @@ class Supervisor:
         started and libraries imported: a restart then skips most of a host's start. Where
         the cluster has no room for it, it is placed when the failed group leaves."""
         if self.next_group is None and self.restarts.left():
-            self.next_group = HostGroup.request(self.cfg.cluster)
+            self.next_group = self._request_group()
+
+    def _request_group(self) -> HostGroup:
+        return HostGroup.request(self.cfg.cluster, self.cfg.fault.startup_timeout_s)
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.checked.data_spec.fingerprint:

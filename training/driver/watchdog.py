@@ -54,8 +54,9 @@ class Stuck:
 class Watchdog:
     """Judges each host's progress from its beats and reports (`training.events`). A host is
     stuck when
-    - it is still starting (joining, building, restoring, compiling its first step)
-      fault.startup_timeout_s after its start;
+    - it is still starting (building, restoring, compiling its first step)
+      fault.startup_timeout_s after its start (joining the cluster is bounded before:
+      `training.driver.supervisor`);
     - training, it has finished no step for fault.step_timeout_s: a host blocked in a
       collective keeps beating, but its finished step does not move;
     - an evaluation or a save lasts longer than fault.step_timeout_s;

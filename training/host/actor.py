@@ -10,12 +10,11 @@ import os
 import re
 import socket
 import threading
-import time
 
 import ray
 
 from training.config import RunConfig
-from training.events import JOINING, Event, FromHost, Joined
+from training.events import Event, FromHost
 from training.host.phases import Beats, Phase
 from training.host.warnings import forward_warnings
 from training.models.remat import cpu_xla_flags
@@ -59,8 +58,8 @@ class HostActor:
         self.platform = platform
         self._stop = threading.Event()
         self._port_reservation: socket.socket | None = None
-        # While the driver still gathers the hosts and the coordinator address: importing
-        # touches no device, so `jax.distributed.initialize` still comes first.
+        # While the driver still gathers the hosts and runs its checks: importing touches no
+        # device, so `jax.distributed.initialize` still comes first.
         threading.Thread(target=_import_libraries, name="imports", daemon=True).start()
 
     def request_stop(self) -> None:
@@ -101,37 +100,9 @@ class HostActor:
         port = self._port_reservation.getsockname()[1]
         return f"{node}:{port}"
 
-    def train(
-        self,
-        cfg: RunConfig,
-        mesh: MeshShape,
-        coordinator: str,
-        inbox,
-        init_timeout_s: float,
-        driver_dir: str,
-    ) -> dict:
-        from training.host.trainer import train
-        from training.models.locate import put_first_on_path
-
-        # Relative paths (data files, the user's model module) mean what they mean on the
-        # driver: run in the driver's directory where this node has it (a local run, shared
-        # storage), else in this actor's own (a Ray job's copy of the shipped directory).
-        if os.path.isdir(driver_dir):
-            os.chdir(driver_dir)
-        put_first_on_path([os.getcwd()])
-
-        def send(event: Event) -> None:
-            inbox.put(FromHost(self.host_index, event))
-
-        # The beats go on while the host joins, builds, compiles or saves, however long.
-        phase = Phase(JOINING)
-        with forward_warnings(send), Beats(phase, send):
-            started = time.perf_counter()
-            self._join_jax_cluster(coordinator, init_timeout_s)
-            send(Joined(time.perf_counter() - started))
-            return {"host": self.host_index, **train(cfg, mesh, send, self._stop.is_set, phase)}
-
-    def _join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
+    def join_jax_cluster(self, coordinator: str, timeout_s: float) -> None:
+        """Join the hosts' `jax.distributed` cluster, as soon as the actors start (the
+        driver's checks run meanwhile)."""
         import jax
 
         if self.platform == "cpu":
@@ -149,6 +120,26 @@ class HostActor:
         )
         if self._port_reservation is not None:  # the coordinator is listening now
             self._port_reservation.close()
+
+    def train(self, cfg: RunConfig, mesh: MeshShape, inbox, driver_dir: str) -> dict:
+        """Train on the joined cluster (`join_jax_cluster` first)."""
+        from training.host.trainer import train
+        from training.models.locate import put_first_on_path
+
+        # Relative paths (data files, the user's model module) mean what they mean on the
+        # driver: run in the driver's directory where this node has it (a local run, shared
+        # storage), else in this actor's own (a Ray job's copy of the shipped directory).
+        if os.path.isdir(driver_dir):
+            os.chdir(driver_dir)
+        put_first_on_path([os.getcwd()])
+
+        def send(event: Event) -> None:
+            inbox.put(FromHost(self.host_index, event))
+
+        # The beats go on while the host builds, compiles or saves, however long.
+        phase = Phase()
+        with forward_warnings(send), Beats(phase, send):
+            return {"host": self.host_index, **train(cfg, mesh, send, self._stop.is_set, phase)}
 
 
 def _import_libraries() -> None:

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from training.events import BEAT_SECONDS, JOINING, Beat, Send
+from training.events import BEAT_SECONDS, BUILDING, Beat, Send
 
 
 class Phase:
     """The host's current phase, since when, and its last finished step (None before the
     first). Set by the training loop, read by the beat thread."""
 
-    def __init__(self, name: str = JOINING, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str = BUILDING, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._lock = threading.Lock()
         self.name, self.since = name, clock()
