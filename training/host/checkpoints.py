@@ -177,6 +177,7 @@ class HostCheckpoints:
             }
             for group, variables in self.variables.items()
         }
+        self._free_what_is_restored()
         try:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(targets)})
@@ -192,6 +193,16 @@ class HostCheckpoints:
                     continue
                 variable.assign(restored[group][key])
         return step
+
+    def _free_what_is_restored(self) -> None:
+        """Free the values the checkpoint's replace before orbax reads it, so that this
+        host holds its share of the state once while restoring, not twice. (A failed
+        restore fails the host, which a restart builds afresh.)"""
+        for group, variables in self.variables.items():
+            for key, variable in variables.items():
+                restored = not (group == "optimizer" and key in CONFIG_OWNED)
+                if restored and not variable.value.is_deleted():  # one array, two variables
+                    variable.value.delete()
 
     def save(
         self,
