@@ -18,6 +18,9 @@ measurements made here (only the remat step time is timed, both runs in this pro
    transformer and the tiny Llama, under each strategy, without remat, with full and dots.
 4. wide_mlp against a budget (plan.device_memory_gb) below its weights + optimizer state:
    the plan's verdict per strategy, and fsdp's compiled peak against the budget.
+5. wide_mlp under fsdp (this process the one host): the most it held of its arrays while the
+   model and its optimizer state were built, and while a checkpoint was restored, against
+   its share of the state plus its largest variable.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ from training.config import ConfigError, compose_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.models import rule_axes  # noqa: E402
 from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
-from training.parallel.compiled import compiled_train_step, measure_step  # noqa: E402
+from training.parallel.compiled import (  # noqa: E402
+    compiled_train_step,
+    held_bytes,
+    measure_step,
+)
 from training.parallel.costs import (  # noqa: E402
     abstract_model,
     layout_rules,
@@ -49,7 +56,7 @@ from training.parallel.costs import (  # noqa: E402
     split_ways,
 )
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
-from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
+from training.parallel.mesh import MeshShape, device_grid, settled  # noqa: E402
 
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
@@ -207,6 +214,77 @@ def budget_figures() -> None:
         print(line)
 
 
+def live_bytes(arrays=None) -> int:
+    """Bytes of this process's buffers that `arrays` hold (every live array by default)."""
+    return held_bytes(jax.live_arrays() if arrays is None else arrays)
+
+
+def built_counting(cfg, mesh) -> tuple:
+    """The model built and its optimizer state created, and the most this process held of
+    its arrays meanwhile above what it held before: Keras makes a variable below its
+    sharded-initialisation threshold whole, then places its shards (`distribute_tensor`,
+    where both are alive)."""
+    from keras.src.backend.jax import distribution_lib
+
+    distribute, peaks, before = distribution_lib.distribute_tensor, [0], live_bytes()
+
+    def distribute_and_count(value, layout):
+        placed = distribute(value, layout)
+        peaks.append(live_bytes() - before)
+        return placed
+
+    distribution_lib.distribute_tensor = distribute_and_count
+    try:
+        model, dataset = build_on_grid(cfg, device_grid(jax.devices(), mesh))
+        model.optimizer.build(model.trainable_variables)
+    finally:
+        distribution_lib.distribute_tensor = distribute
+    return model, max(peaks)
+
+
+def build_and_restore_figures() -> None:
+    import tempfile
+
+    from training.host.checkpoints import HostCheckpoints
+
+    with tempfile.TemporaryDirectory() as directory:
+        cfg, mesh = config("wide_mlp", "fsdp", f"checkpoint.dir={directory}")
+        plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
+        cfg = settled(
+            cfg, layout_rules(cfg, cfg.strategy.name, mesh, plan_model)
+        )  # as hosts get it
+        model, building = built_counting(cfg, mesh)
+        variables = [*model.variables, *model.optimizer.variables]
+        share = live_bytes([v.value for v in variables])
+        largest = max(v.value.nbytes for v in variables)
+        checkpoints = HostCheckpoints(cfg, model)
+        checkpoints.save(1)
+        checkpoints.close()
+        del model, variables, checkpoints
+        keras.distribution.set_distribution(None)
+        before = live_bytes()
+        model, _ = built_counting(cfg, mesh)
+        checkpoints = HostCheckpoints(cfg, model)
+        read, held = checkpoints.manager.restore, [0]
+
+        def restore_and_count(*args, **kwargs):
+            restored = read(*args, **kwargs)
+            held.append(live_bytes() - before)
+            return restored
+
+        checkpoints.manager.restore = restore_and_count
+        checkpoints.restore_newest()
+        checkpoints.close()
+        keras.distribution.set_distribution(None)
+    bound = share + largest
+    print(
+        f"  wide_mlp fsdp 8×1: share of the state {readable_bytes(share)}, largest variable "
+        f"{readable_bytes(largest)}; held at most {readable_bytes(building)} building "
+        f"({building / bound:.2f} of share + largest), {readable_bytes(max(held))} restoring "
+        f"({max(held) / bound:.2f})"
+    )
+
+
 def main(argv: list[str]) -> None:
     print("1. fsdp: state per device and bytes sent")
     for model in ("wide_mlp", "transformer"):
@@ -219,6 +297,8 @@ def main(argv: list[str]) -> None:
         plan_against_compiled()
     print("4. a model over the budget")
     budget_figures()
+    print("5. building and restoring")
+    build_and_restore_figures()
 
 
 if __name__ == "__main__":

@@ -335,7 +335,10 @@ def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     driver = subprocess.Popen(
-        [sys.executable, "-m", "training.run", f"hydra.run.dir={run}", "trainer.steps=100000"],
+        [
+            *(sys.executable, "-m", "training.run", f"hydra.run.dir={run}"),
+            *("trainer.steps=100000", "trainer.log_interval=1", "trainer.eval_batches=0"),
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

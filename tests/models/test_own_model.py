@@ -283,7 +283,7 @@ def test_a_users_rule_wins_for_every_variable_it_matches_whatever_the_functions_
     import keras
 
     from training.build import build_on_grid
-    from training.driver.preflight import with_layout
+    from training.driver.checked import with_layout
     from training.parallel.mesh import MeshShape, device_grid
 
     module = example_module(workdir)

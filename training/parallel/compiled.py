@@ -104,3 +104,14 @@ def _shard_bytes(variables) -> int:
     from training.build import describe_variables
 
     return sum(v["shard_bytes"] for v in describe_variables(variables).values())
+
+
+def held_bytes(arrays) -> int:
+    """Bytes of this process's device buffers that `arrays` hold, each buffer once (arrays
+    made from per-device arrays share their buffers)."""
+    buffers = {
+        (shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
+        for array in arrays
+        for shard in array.addressable_shards
+    }
+    return sum(buffers.values())
