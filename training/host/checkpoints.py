@@ -187,22 +187,25 @@ class HostCheckpoints:
                 f"could not restore step {step} from checkpoint.dir={self.cfg.dir}: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        for group, variables in self.variables.items():
-            for key, variable in variables.items():
-                if group == "optimizer" and key in CONFIG_OWNED:
-                    continue
-                variable.assign(restored[group][key])
+        for group, key, variable in self._replaced_by_restore():
+            variable.assign(restored[group][key])
         return step
 
     def _free_what_is_restored(self) -> None:
         """Free the values the checkpoint's replace before orbax reads it, so that this
         host holds its share of the state once while restoring, not twice. (A failed
         restore fails the host, which a restart builds afresh.)"""
+        for _, _, variable in self._replaced_by_restore():
+            if not variable.value.is_deleted():  # one array, two variables
+                variable.value.delete()
+
+    def _replaced_by_restore(self):
+        """(group, key, variable) of each variable a restore assigns: all but the optimizer's
+        config-owned ones, which this run's config sets."""
         for group, variables in self.variables.items():
             for key, variable in variables.items():
-                restored = not (group == "optimizer" and key in CONFIG_OWNED)
-                if restored and not variable.value.is_deleted():  # one array, two variables
-                    variable.value.delete()
+                if not (group == "optimizer" and key in CONFIG_OWNED):
+                    yield group, key, variable
 
     def save(
         self,

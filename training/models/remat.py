@@ -65,9 +65,9 @@ def remat_layers(model, remat: str) -> None:
         return
     from keras.src.backend.common.remat import RematMode
 
-    every = remat in (EVERY_LAYER, KEEPING_PROJECTIONS)
+    all_layers = remat in (EVERY_LAYER, KEEPING_PROJECTIONS)
     layers = list(
-        _outermost(model, lambda layer: every or bool(re.fullmatch(remat, layer.path or "")))
+        _outermost(model, lambda layer: all_layers or bool(re.fullmatch(remat, layer.path or "")))
     )
     if not layers:
         every = model._flatten_layers(include_self=False)
