@@ -202,10 +202,12 @@ ray.shutdown()
 
 
 def test_a_local_run_joins_a_running_one_node_instance_only_with_room(tmp_path):
-    """`ray start --head` as a user keeps it (one node, 4 CPUs): a local run of 2 hosts
-    joins it and says so; one of 8 hosts, which it has no room for, does not, nor one told
-    not to."""
+    """`ray start --head` as a user keeps it (one node, 4 CPUs, token authentication on): a
+    local run of 2 hosts joins it and says so; one of 8 hosts, which it has no room for, does
+    not, nor one told not to. The run's shell, as a user's, has the token at hand but does
+    not set `RAY_AUTH_MODE`."""
     with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
+        users_shell = {k: v for k, v in single.env.items() if k != "RAY_AUTH_MODE"}
 
         def joined(*overrides: str) -> str:
             result = subprocess.run(
@@ -213,7 +215,7 @@ def test_a_local_run_joins_a_running_one_node_instance_only_with_room(tmp_path):
                 capture_output=True,
                 text=True,
                 cwd=REPO,
-                env=single.env,
+                env=users_shell,
                 timeout=120,
             )
             assert result.returncode == 0, result.stderr[-2000:]

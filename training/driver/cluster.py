@@ -87,8 +87,13 @@ def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
     find_gcs_addresses.cache_clear()  # Ray caches what it found: the processes of now
     if not address or address not in find_gcs_addresses():
         return ""
+    if os.environ.get("RAY_ADDRESS", "") not in ("", "auto", address):
+        return ""  # Ray's "auto" below would join the instance RAY_ADDRESS names
     try:
-        ray.init(address=address, logging_level="WARNING")
+        # "auto", not the address: Ray sends the token `ray start` found (~/.ray/auth_token)
+        # only to an instance it looks up itself; to an explicit address it sends none, and
+        # the instance refuses the run after half a minute of retries.
+        ray.init(address="auto", logging_level="WARNING")
     except Exception:  # noqa: BLE001 - any failure to join: the run starts its own
         return ""
     free = ray.available_resources()
