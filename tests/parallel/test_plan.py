@@ -166,8 +166,9 @@ def test_bad_plan_hardware_is_an_error(override, message):
 # state (weights, optimizer) against its arguments, the whole against arguments and
 # temporaries, within 10 %: the MLP, the transformer (attention's scores and softmax kept;
 # under hybrid, what XLA materialises around the model axis' collectives) and the tiny Llama
-# (its decoder blocks followed through), 16 examples. (With remat the plan is further off:
-# scripts/bench_memory.py.)
+# (its decoder blocks followed through), 16 examples; with remat, the backward pass's peak
+# where it recomputes the last attention (every model, strategy and remat mode:
+# scripts/bench_memory.py).
 LLAMA = ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 MEMORY = {
@@ -176,6 +177,12 @@ MEMORY = {
     "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TRANSFORMER),
     "transformer-hybrid": ("hybrid", MeshShape(2, 4), TRANSFORMER),
     "llama-fsdp": ("fsdp", MeshShape(8, 1), LLAMA),
+    "transformer-data_parallel-dots": (
+        "data_parallel",
+        MeshShape(8, 1),
+        [*TRANSFORMER, "trainer.remat=dots"],
+    ),
+    "transformer-hybrid-full": ("hybrid", MeshShape(2, 4), [*TRANSFORMER, "trainer.remat=full"]),
 }
 
 

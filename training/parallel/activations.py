@@ -4,11 +4,18 @@ model axis):
 
 - the activations the backward pass keeps: the output of every contraction (a Dense,
   EinsumDense or Embedding, an einsum or matmul of activations, attention), of every other
-  layer with weights (a norm) and of every softmax. Elementwise results are not counted:
-  XLA recomputes them from those inside the backward pass's fusions;
-- under `trainer.remat`, a rematerialised layer keeps only its output: what it makes inside
-  is recomputed, all of it live at once while its backward pass runs (the largest such
-  layer's is added once); under `trainer.remat=dots` it keeps its projections' outputs too;
+  layer with weights (a norm) and of every softmax. Elementwise results are not counted,
+  though XLA keeps some (GELU's, a norm's): `training.parallel.costs` says how the plan
+  stands in for them without remat;
+- under `trainer.remat`, a rematerialised layer keeps its inputs (what `jax.checkpoint`
+  saves); what it makes inside, its outputs too, is made again while its backward pass runs,
+  all of it live at once; under `trainer.remat=dots` the projections' outputs inside it are
+  kept. The backward pass runs from the last such layer to the first
+  (`Activations.backward_peak`): at each, what the layers before it keep, what it recomputes
+  and the gradients of the layers after it are live at once. Read from XLA:CPU's peak
+  breakdown (`--xla_dump_to`, `*live-range.txt`) of the built-in transformer: its peak is in
+  the last block's attention, beside the residual sums and norm outputs the earlier blocks
+  saved and the few gradients made so far;
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
   attention);
@@ -24,7 +31,8 @@ A model without a graph to follow keeps each top-level layer's output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 from training.parallel import layer_graph
 from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, Rules
@@ -32,15 +40,48 @@ from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, R
 BACKWARD_WORKSPACE = 2  # gradients of the largest kept tensor's size live at once
 
 
+@dataclass
+class Segment:
+    """A rematerialised layer, or the layers between two: in the order the forward pass runs
+    them, what each keeps and (a rematerialised one) recomputes, per device, and the paths
+    of the trainable weights they use first."""
+
+    kept: float = 0.0
+    recomputed: float = 0.0
+    weights: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Activations:
     kept: float  # bytes per device the backward pass keeps
-    recomputed: float  # bytes per device a rematerialised layer holds while recomputed
+    recomputed: float  # bytes per device the largest rematerialised layer holds recomputed
     largest: float  # the largest kept (or recomputed) tensor's bytes per device
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def rematerialised(self) -> bool:
+        return len(self.segments) > 1
 
     @property
     def peak(self) -> float:
+        """Everything kept, the largest recomputation and the workspace at once."""
         return self.kept + self.recomputed + BACKWARD_WORKSPACE * self.largest
+
+    def backward_peak(self, gradients: dict[str, float]) -> tuple[float, float]:
+        """(activations, gradients) live at the backward pass's peak, where it runs back
+        through the segments: at each, the bytes kept by it and those before it, its
+        recomputation and the workspace, beside the gradients (`gradients`: bytes per
+        device by weight path) of the segments after it."""
+        workspace = BACKWARD_WORKSPACE * self.largest
+        best = (0.0, 0.0)
+        kept_before = list(accumulate(s.kept for s in self.segments))
+        made_after = 0.0
+        for index in reversed(range(len(self.segments))):
+            segment = self.segments[index]
+            live = (kept_before[index] + segment.recomputed + workspace, made_after)
+            best = max(best, live, key=sum)
+            made_after += sum(gradients.get(path, 0.0) for path in segment.weights)
+        return best
 
 
 def activation_bytes(
@@ -52,7 +93,12 @@ def activation_bytes(
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0, 0.0)
     walk = _Kept(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    return Activations(walk.kept, max(walk.inside_remat.values(), default=0.0), walk.largest)
+    return Activations(
+        walk.kept,
+        max((s.recomputed for s in walk.segments), default=0.0),
+        walk.largest,
+        tuple(walk.segments),
+    )
 
 
 def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
@@ -74,48 +120,105 @@ class _Kept(Derivation):
         super().__init__(rules, n, examples, value_bytes)
         self.kept = 0.0
         self.largest = 0.0
-        # id -> the tensor: kept alive, so that no later tensor (of a layer's graph traced
-        # for the walk and then dropped) reuses a counted one's id
-        self.counted: dict[int, object] = {}
+        # id -> the tensor (kept alive, so that no later tensor of a layer's graph traced for
+        # the walk and then dropped reuses a counted one's id), the segment that made it,
+        # whether it is recomputed there
+        self.counted: dict[int, tuple[object, Segment, bool]] = {}
         self.copied: dict[int, object] = {}
         self.producer = None  # the operation whose outputs are being recorded
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
         self.remat_keeps_projections = False  # that layer's (trainer.remat=dots)
-        self.inside_remat: dict[str, float] = {}  # its path -> the bytes made inside it
+        self.segments = [Segment()]
+        self.model_inputs: set[int] = set()
+        self.weights_seen: set[str] = set()  # a weight two layers use (tied) counts once
 
     def _node(self, node) -> None:
         layer = node.operation
         outer = self.remat_layer
-        if outer is None and getattr(getattr(layer, "_remat_mode", None), "mode", "") == "full":
+        entered = outer is None and _rematerialised(layer)
+        if entered:
             self.remat_layer = getattr(layer, "path", None) or layer.name
             self.remat_keeps_projections = getattr(layer, "_remat_keeps_projections", False)
+            self.segments.append(Segment())
+        if entered or (outer is None and _leaf(layer)):
+            self._first_use(layer)
+        if entered:
+            # What jax.checkpoint saves: the layer's inputs. Its outputs are made again in its
+            # backward pass; the backward of a residual sum, their usual reader, needs none.
+            for tensor in node.input_tensors:
+                if id(tensor) not in self.model_inputs:
+                    self._record(tensor, recomputed=False)
+                    self._reclassify(tensor, recomputed=False)
         try:
             self.producer = layer
             super()._node(node)
             self.producer = layer  # inner nodes walked in between
-            self._count(node.outputs, always=self.remat_layer is not None and outer is None)
+            self._count(node.outputs)
+            if entered:
+                for tensor in node.outputs:
+                    self._reclassify(tensor, recomputed=True)
         finally:
             self.remat_layer = outer
+            if entered:
+                self.segments.append(Segment())
 
-    def _count(self, tensors, always: bool = False) -> None:
+    def _first_use(self, layer) -> None:
+        """The trainable weights the layer (its sublayers too) is the first to use."""
+        for weight in getattr(layer, "trainable_weights", ()):
+            if weight.path not in self.weights_seen:
+                self.weights_seen.add(weight.path)
+                self.segments[-1].weights.append(weight.path)
+
+    def run(self, inputs, outputs, nodes):
+        self.model_inputs = {id(tensor) for tensor in inputs}
+        return super().run(inputs, outputs, nodes)
+
+    def _count(self, tensors) -> None:
         """Record the outputs of the current producer: kept, or (inside a rematerialised
-        layer) made again in its backward pass. A rematerialised layer's own outputs are
-        kept (`always`)."""
-        keeps = always or _keeps_output(self.producer)
+        layer) made again in its backward pass."""
+        keeps = _keeps_output(self.producer)
         for tensor in tensors:
             whole = self._get(tensor) in (REPLICATED, PARTIAL)
             materialised = self.n > 1 and whole and _leaf(self.producer)
-            if id(tensor) in self.counted or not (keeps or materialised):
-                continue
-            self.counted[id(tensor)] = tensor
-            size = self._bytes(tensor) / (1 if whole else self.n)
-            self.largest = max(self.largest, size)
-            if self._recomputed() and not always:
-                self.inside_remat[self.remat_layer] = (
-                    self.inside_remat.get(self.remat_layer, 0.0) + size
-                )
-            else:
-                self.kept += size
+            if keeps or materialised:
+                self._record(tensor, self._recomputed())
+
+    def _record(self, tensor, recomputed: bool) -> None:
+        """Count the tensor once, in the segment that makes it."""
+        if id(tensor) in self.counted:
+            return
+        segment = self.segments[-1]
+        self.counted[id(tensor)] = (tensor, segment, recomputed)
+        size = self._device_bytes(tensor)
+        self.largest = max(self.largest, size)
+        if recomputed:
+            segment.recomputed += size
+        else:
+            self._keep(size, segment)
+
+    def _reclassify(self, tensor, recomputed: bool) -> None:
+        """A counted tensor, kept or made again in the segment that made it, as a later
+        layer finds: a rematerialised layer saves its inputs, and makes its outputs again (even
+        a projection's, which `dots` keeps inside it) in a backward pass that does not read
+        them."""
+        if id(tensor) not in self.counted:
+            return
+        _, segment, was_recomputed = self.counted[id(tensor)]
+        if was_recomputed == recomputed:
+            return
+        moved = self._device_bytes(tensor) * (1 if recomputed else -1)
+        self.kept -= moved
+        segment.kept -= moved
+        segment.recomputed += moved
+        self.counted[id(tensor)] = (tensor, segment, recomputed)
+
+    def _device_bytes(self, tensor) -> float:
+        whole = self._get(tensor) in (REPLICATED, PARTIAL)
+        return self._bytes(tensor) / (1 if whole else self.n)
+
+    def _keep(self, size: float, segment: Segment) -> None:
+        self.kept += size
+        segment.kept += size
 
     def _recomputed(self) -> bool:
         """Whether the current producer's outputs are made again in the backward pass."""
@@ -130,8 +233,12 @@ class _Kept(Derivation):
         whole = self._get(x) in (REPLICATED, PARTIAL)
         if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
             self.copied[id(x)] = x
-            self.kept += self._bytes(x)
+            self._keep(self._bytes(x), self.segments[-1])
         return state
+
+
+def _rematerialised(layer) -> bool:
+    return getattr(getattr(layer, "_remat_mode", None), "mode", "") == "full"
 
 
 def _projection(operation) -> bool:
