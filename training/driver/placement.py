@@ -187,12 +187,20 @@ def _wait_for_placement(
     ready = placement.ready()
     unqueued_since = time.monotonic()
     told = False
-    while not ray.wait([ready], timeout=QUEUE_POLL_SECONDS)[0]:
-        if _others_hold_hosts(name):
+    while True:
+        # Looked at before any wait: the group may have queued since its request, while
+        # this trial ran its checks, and be placed a moment after this wait begins.
+        if _pending(placement) and _others_hold_hosts(name):
             unqueued_since = time.monotonic()
             if not told:
                 notify("queued: waiting for hosts held by other trials of this sweep")
                 told = True
         elif time.monotonic() - unqueued_since > timeout_s:
             return False
-    return True
+        if ray.wait([ready], timeout=QUEUE_POLL_SECONDS)[0]:
+            return True
+
+
+def _pending(placement) -> bool:
+    """Whether Ray has yet to place the group."""
+    return placement_group_table(placement)["state"] == "PENDING"
