@@ -287,9 +287,9 @@ def build_and_restore_figures() -> None:
 
 def preset_load_figures() -> None:
     """A keras-hub Llama preset (21 MB of weights, written here) loaded under fsdp: what this
-    process held of its arrays while the weights were created and read, against its share
-    plus its largest weight (Keras places each weight read from the preset as it is assigned:
-    whole on one device, then its shards)."""
+    process held of its arrays while the weights were created and read (and the optimizer's
+    slots built), against its share of both plus its largest weight (Keras places each weight
+    read from the preset as it is assigned: whole on one device, then its shards)."""
     import tempfile
 
     import keras_hub
@@ -321,7 +321,8 @@ def preset_load_figures() -> None:
     print(
         f"  llama preset fsdp 8×1: share of the weights {readable_bytes(share)} and optimizer "
         f"state {readable_bytes(slots)}, largest weight {readable_bytes(largest)}; held at "
-        f"most {readable_bytes(loading)} loading ({loading / bound:.2f} of share + largest)"
+        f"most {readable_bytes(loading)} building and loading ({loading / bound:.2f} of "
+        "share + largest)"
     )
 
 

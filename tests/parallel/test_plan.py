@@ -167,8 +167,8 @@ def test_bad_plan_hardware_is_an_error(override, message):
 # temporaries, within 10 %: the MLP, the transformer (attention's scores and softmax kept;
 # under hybrid, what XLA materialises around the model axis' collectives) and the tiny Llama
 # (its decoder blocks followed through), 16 examples; with remat, the backward pass's peak
-# where it recomputes the last attention (every model, strategy and remat mode:
-# scripts/bench_memory.py).
+# where it recomputes the last attention (each model and strategy under none, full and
+# dots: scripts/bench_memory.py).
 LLAMA = ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 MEMORY = {
@@ -193,3 +193,18 @@ def test_planned_memory_matches_the_compiled_step(case):
     memory = predicted.memory
     assert memory.state_bytes == pytest.approx(measured.memory.arguments, rel=0.10)
     assert memory.total_bytes == pytest.approx(measured.memory.peak, rel=0.10)
+
+
+def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():
+    """The backward pass starts a weight's gradient at its last use: a tied embedding's at the
+    output head, so it is live while every block is recomputed, not only at the input."""
+    from training.parallel.activations import activation_bytes
+    from training.parallel.costs import layout_rules
+
+    cfg = run_config([*TRANSFORMER, "model.kwargs.tie_embeddings=true", "trainer.remat=full"])
+    model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    rules = layout_rules(cfg, "data_parallel", MeshShape(8, 1), model)
+    segments = activation_bytes(model.keras_model, rules, 1, 2, 4).segments
+    using = [i for i, s in enumerate(segments) if s.weights]
+    tied = [i for i, s in enumerate(segments) if "token_embedding/embeddings" in s.weights]
+    assert tied == [using[-1]]

@@ -87,8 +87,9 @@ def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
     find_gcs_addresses.cache_clear()  # Ray caches what it found: the processes of now
     if not address or address not in find_gcs_addresses():
         return ""
-    if os.environ.get("RAY_ADDRESS", "") not in ("", "auto", address):
-        return ""  # Ray's "auto" below would join the instance RAY_ADDRESS names
+    if os.environ.get("RAY_ADDRESS", "") not in ("", "auto"):
+        # Ray's "auto" below would take RAY_ADDRESS as an explicit address, and send no token.
+        return ""
     try:
         # "auto", not the address: Ray sends the token `ray start` found (~/.ray/auth_token)
         # only to an instance it looks up itself; to an explicit address it sends none, and

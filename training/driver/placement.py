@@ -190,17 +190,18 @@ def _wait_for_placement(
     while True:
         # Looked at before any wait: the group may have queued since its request, while
         # this trial ran its checks, and be placed a moment after this wait begins.
-        if _pending(placement) and _others_hold_hosts(name):
+        queued = _pending(placement) and _others_hold_hosts(name)
+        if queued:
             unqueued_since = time.monotonic()
             if not told:
                 notify("queued: waiting for hosts held by other trials of this sweep")
                 told = True
-        elif time.monotonic() - unqueued_since > timeout_s:
-            return False
         if ray.wait([ready], timeout=QUEUE_POLL_SECONDS)[0]:
             return True
+        if not queued and time.monotonic() - unqueued_since > timeout_s:
+            return False
 
 
 def _pending(placement) -> bool:
     """Whether Ray has yet to place the group."""
-    return placement_group_table(placement)["state"] == "PENDING"
+    return placement_group_table(placement).get("state") == "PENDING"

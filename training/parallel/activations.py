@@ -10,9 +10,10 @@ model axis):
 - under `trainer.remat`, a rematerialised layer keeps its inputs (what `jax.checkpoint`
   saves); what it makes inside, its outputs too, is made again while its backward pass runs,
   all of it live at once; under `trainer.remat=dots` the projections' outputs inside it are
-  kept. The backward pass runs from the last such layer to the first
-  (`Activations.backward_peak`): at each, what the layers before it keep, what it recomputes
-  and the gradients of the layers after it are live at once. Read from XLA:CPU's peak
+  kept; a contraction or norm outside them keeps what it reads from them. The backward pass
+  runs from the last such layer to the first (`Activations.backward_peak`): at each, what
+  the layers before it keep, what it recomputes and the gradients of the weights the layers
+  after it use are live at once. Read from XLA:CPU's peak
   breakdown (`--xla_dump_to`, `*live-range.txt`) of the built-in transformer: its peak is in
   the last block's attention, beside the residual sums and norm outputs the earlier blocks
   saved and the few gradients made so far;
@@ -44,7 +45,8 @@ BACKWARD_WORKSPACE = 2  # gradients of the largest kept tensor's size live at on
 class Segment:
     """A rematerialised layer, or the layers between two: in the order the forward pass runs
     them, what each keeps and (a rematerialised one) recomputes, per device, and the paths
-    of the trainable weights they use first."""
+    of the trainable weights they use last (where the backward pass starts making their
+    gradients: a tied embedding's at the output head, not at the input)."""
 
     kept: float = 0.0
     recomputed: float = 0.0
@@ -54,7 +56,6 @@ class Segment:
 @dataclass(frozen=True)
 class Activations:
     kept: float  # bytes per device the backward pass keeps
-    recomputed: float  # bytes per device the largest rematerialised layer holds recomputed
     largest: float  # the largest kept (or recomputed) tensor's bytes per device
     segments: tuple[Segment, ...] = ()
 
@@ -64,8 +65,8 @@ class Activations:
 
     @property
     def peak(self) -> float:
-        """Everything kept, the largest recomputation and the workspace at once."""
-        return self.kept + self.recomputed + BACKWARD_WORKSPACE * self.largest
+        """Without remat: everything kept and the workspace at once."""
+        return self.kept + BACKWARD_WORKSPACE * self.largest
 
     def backward_peak(self, gradients: dict[str, float]) -> tuple[float, float]:
         """(activations, gradients) live at the backward pass's peak, where it runs back
@@ -90,15 +91,10 @@ def activation_bytes(
     """Per device, for `examples` rows (a data shard's), activations of `value_bytes`."""
     graph = layer_graph.graph(model)
     if graph is None:
-        return Activations(_top_level_outputs(model, examples, value_bytes), 0.0, 0.0)
+        return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
     walk = _Kept(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    return Activations(
-        walk.kept,
-        max((s.recomputed for s in walk.segments), default=0.0),
-        walk.largest,
-        tuple(walk.segments),
-    )
+    return Activations(walk.kept, walk.largest, tuple(walk.segments))
 
 
 def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
@@ -129,8 +125,9 @@ class _Kept(Derivation):
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
         self.remat_keeps_projections = False  # that layer's (trainer.remat=dots)
         self.segments = [Segment()]
-        self.model_inputs: set[int] = set()
-        self.weights_seen: set[str] = set()  # a weight two layers use (tied) counts once
+        self.last_used: dict[str, Segment] = {}  # weight path -> the segment that used it last
+        # id of a layer's output -> the tensor its own graph made it from (walked inside)
+        self.made_inside: dict[int, object] = {}
 
     def _node(self, node) -> None:
         layer = node.operation
@@ -141,14 +138,17 @@ class _Kept(Derivation):
             self.remat_keeps_projections = getattr(layer, "_remat_keeps_projections", False)
             self.segments.append(Segment())
         if entered or (outer is None and _leaf(layer)):
-            self._first_use(layer)
-        if entered:
-            # What jax.checkpoint saves: the layer's inputs. Its outputs are made again in its
-            # backward pass; the backward of a residual sum, their usual reader, needs none.
+            self._use_weights(layer)
+        if entered or (outer is None and _keeps_output(layer)):
+            # What its backward pass reads is kept: a rematerialised layer's inputs (what
+            # jax.checkpoint saves), and a contraction's or a norm's outside one, where a
+            # rematerialised layer made them. A residual sum, the usual reader of a
+            # rematerialised layer's outputs, reads none.
             for tensor in node.input_tensors:
-                if id(tensor) not in self.model_inputs:
-                    self._record(tensor, recomputed=False)
-                    self._reclassify(tensor, recomputed=False)
+                if id(tensor) in self.differentiated:
+                    if entered:
+                        self._record(self._made(tensor), recomputed=False)
+                    self._reclassify(self._made(tensor), recomputed=False)
         try:
             self.producer = layer
             super()._node(node)
@@ -156,22 +156,31 @@ class _Kept(Derivation):
             self._count(node.outputs)
             if entered:
                 for tensor in node.outputs:
-                    self._reclassify(tensor, recomputed=True)
+                    self._reclassify(self._made(tensor), recomputed=True)
         finally:
             self.remat_layer = outer
             if entered:
                 self.segments.append(Segment())
 
-    def _first_use(self, layer) -> None:
-        """The trainable weights the layer (its sublayers too) is the first to use."""
+    def _use_weights(self, layer) -> None:
+        """The layer (its sublayers too) uses its trainable weights: the latest use so far."""
         for weight in getattr(layer, "trainable_weights", ()):
-            if weight.path not in self.weights_seen:
-                self.weights_seen.add(weight.path)
-                self.segments[-1].weights.append(weight.path)
+            earlier = self.last_used.get(weight.path)
+            if earlier is not None:
+                earlier.weights.remove(weight.path)
+            self.segments[-1].weights.append(weight.path)
+            self.last_used[weight.path] = self.segments[-1]
 
-    def run(self, inputs, outputs, nodes):
-        self.model_inputs = {id(tensor) for tensor in inputs}
-        return super().run(inputs, outputs, nodes)
+    def _inner(self, inner, ins, outs, path: str) -> None:
+        super()._inner(inner, ins, outs, path)
+        for outer, made in zip(outs, inner.outputs, strict=False):
+            self.made_inside[id(outer)] = made
+
+    def _made(self, tensor):
+        """The tensor as counted: a layer walked inside counts its own graph's output."""
+        while id(tensor) in self.made_inside:
+            tensor = self.made_inside[id(tensor)]
+        return tensor
 
     def _count(self, tensors) -> None:
         """Record the outputs of the current producer: kept, or (inside a rematerialised
