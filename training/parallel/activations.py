@@ -13,10 +13,10 @@ model axis):
   kept; a contraction or norm outside them keeps what it reads from them. The backward pass
   runs from the last such layer to the first (`Activations.backward_peak`): at each, what
   the layers before it keep, what it recomputes and the gradients of the weights the layers
-  after it use are live at once. Read from XLA:CPU's peak
-  breakdown (`--xla_dump_to`, `*live-range.txt`) of the built-in transformer: its peak is in
-  the last block's attention, beside the residual sums and norm outputs the earlier blocks
-  saved and the few gradients made so far;
+  after it use are live at once. Read from XLA:CPU's peak breakdown (`--xla_dump_to`,
+  `*live-range.txt`) of the built-in transformer: its peak is in the last block's attention,
+  beside the residual sums and norm outputs the earlier blocks saved and the few gradients
+  made so far;
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
   attention);
@@ -94,7 +94,8 @@ def activation_bytes(
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
     walk = _Kept(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    return Activations(walk.kept, walk.largest, tuple(walk.segments))
+    segments = tuple(walk.segments)
+    return Activations(sum(s.kept for s in segments), walk.largest, segments)
 
 
 def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
@@ -110,11 +111,11 @@ def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
 
 
 class _Kept(Derivation):
-    """The derivation's walk, summing the bytes of the tensors the backward pass keeps."""
+    """The derivation's walk, summing per segment the bytes of the tensors the backward pass
+    keeps and recomputes."""
 
     def __init__(self, rules: Rules, n: int, examples: int, value_bytes: int):
         super().__init__(rules, n, examples, value_bytes)
-        self.kept = 0.0
         self.largest = 0.0
         # id -> the tensor (kept alive, so that no later tensor of a layer's graph traced for
         # the walk and then dropped reuses a counted one's id), the segment that made it,
@@ -203,7 +204,7 @@ class _Kept(Derivation):
         if recomputed:
             segment.recomputed += size
         else:
-            self._keep(size, segment)
+            segment.kept += size
 
     def _reclassify(self, tensor, recomputed: bool) -> None:
         """A counted tensor, kept or made again in the segment that made it, as a later
@@ -216,7 +217,6 @@ class _Kept(Derivation):
         if was_recomputed == recomputed:
             return
         moved = self._device_bytes(tensor) * (1 if recomputed else -1)
-        self.kept -= moved
         segment.kept -= moved
         segment.recomputed += moved
         self.counted[id(tensor)] = (tensor, segment, recomputed)
@@ -224,10 +224,6 @@ class _Kept(Derivation):
     def _device_bytes(self, tensor) -> float:
         whole = self._get(tensor) in (REPLICATED, PARTIAL)
         return self._bytes(tensor) / (1 if whole else self.n)
-
-    def _keep(self, size: float, segment: Segment) -> None:
-        self.kept += size
-        segment.kept += size
 
     def _recomputed(self) -> bool:
         """Whether the current producer's outputs are made again in the backward pass."""
@@ -242,7 +238,7 @@ class _Kept(Derivation):
         whole = self._get(x) in (REPLICATED, PARTIAL)
         if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
             self.copied[id(x)] = x
-            self._keep(self._bytes(x), self.segments[-1])
+            self.segments[-1].kept += self._bytes(x)
         return state
 
 
