@@ -219,6 +219,13 @@ def live_bytes(arrays=None) -> int:
     return held_bytes(jax.live_arrays() if arrays is None else arrays)
 
 
+def as_hosts_get_it(model: str, strategy: str, *extra: str):
+    """The config with the layout rules the driver settles, as the hosts get it, and the mesh."""
+    cfg, mesh = config(model, strategy, *extra)
+    plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, plan_model)), mesh
+
+
 def built_counting(cfg, mesh) -> tuple:
     """The model built and its optimizer state created, and the most this process held of
     its arrays meanwhile above what it held before: Keras makes a variable below its
@@ -248,11 +255,7 @@ def build_and_restore_figures() -> None:
     from training.host.checkpoints import HostCheckpoints
 
     with tempfile.TemporaryDirectory() as directory:
-        cfg, mesh = config("wide_mlp", "fsdp", f"checkpoint.dir={directory}")
-        plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-        cfg = settled(
-            cfg, layout_rules(cfg, cfg.strategy.name, mesh, plan_model)
-        )  # as hosts get it
+        cfg, mesh = as_hosts_get_it("wide_mlp", "fsdp", f"checkpoint.dir={directory}")
         model, building = built_counting(cfg, mesh)
         variables = [*model.variables, *model.optimizer.variables]
         share = live_bytes([v.value for v in variables])
@@ -308,9 +311,7 @@ def preset_load_figures() -> None:
             directory
         )
         del backbone
-        cfg, mesh = config("llama", "fsdp", f"model.preset={directory}")
-        plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-        cfg = settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, plan_model))
+        cfg, mesh = as_hosts_get_it("llama", "fsdp", f"model.preset={directory}")
         model, loading = built_counting(cfg, mesh)
         weights = [v.value for v in model.variables]
         share, largest = live_bytes(weights), max(w.nbytes for w in weights)

@@ -192,7 +192,7 @@ class HostCheckpoints:
         return step
 
     def _free_what_is_restored(self) -> None:
-        """Free the values the checkpoint's replace before orbax reads it, so that this
+        """Free the values the checkpoint replaces before orbax reads it, so that this
         host holds its share of the state once while restoring, not twice. (A failed
         restore fails the host, which a restart builds afresh.)"""
         for _, _, variable in self._replaced_by_restore():
