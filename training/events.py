@@ -82,7 +82,16 @@ class HostWarning:
     message: str
 
 
-Event = Beat | Ready | Compiled | StepLogged | HostWarning
+@dataclass(frozen=True)
+class HostOutput:
+    """A line the host's process wrote, where Ray would not stream it to this run's driver
+    (`training.host.output`)."""
+
+    stream: str  # stdout or stderr
+    line: str
+
+
+Event = Beat | Ready | Compiled | StepLogged | HostWarning | HostOutput
 Send = Callable[[Event], None]
 
 

@@ -29,6 +29,7 @@ from rich.console import Console  # noqa: E402
 from training.checkpoint.inspection import newest_figures  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,
+    LocalClusterConfig,
     RunConfig,
     register_configs,
     settled_export,
@@ -44,7 +45,8 @@ from training.driver.display import (  # noqa: E402
     print_summary,
 )
 from training.driver.failures import HostFailure  # noqa: E402
-from training.driver.placement import HostGroup  # noqa: E402
+from training.driver.placement import HostGroup, host_environments  # noqa: E402
+from training.driver.ready_hosts import keep_ready  # noqa: E402
 from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
@@ -66,31 +68,69 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         with ray_session(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
             if joined:
                 console.print(joined, highlight=False, soft_wrap=True)
-            hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s)
+            # On an instance the user keeps, the next run finds its hosts started.
+            keep_ready = bool(joined) and cfg.cluster.keep_hosts_ready
+            interrupted = False
             try:
-                # Imported once the hosts are requested: Keras takes seconds to import, and
-                # the hosts' actors start meanwhile.
-                from training.driver.preflight import preflight
-
-                checked = preflight(cfg)
-                if nothing_left_to_train(cfg, checked):
-                    hosts.shutdown()
-                    return completed_earlier(cfg, checked, output_dir, console)
-                print_parameters(checked.parameters, console)
-                if checked.layout:
-                    print_layout(checked.layout, console)
-                cfg = with_layout(cfg, checked)
-                display = ProgressDisplay(cfg.trainer.steps, console)
-                supervisor = Supervisor(cfg, checked, output_dir, display, hosts)
-            except BaseException:
-                hosts.shutdown()
+                summary, trained = checked_and_run(cfg, output_dir, console, keep_ready)
+            except KeyboardInterrupt:
+                interrupted = True
                 raise
-            summary = supervisor.run()
+            finally:
+                if joined and not interrupted:
+                    leave_hosts_ready(cfg.cluster, keep_ready, console)
+    if not trained:
+        return summary
     print_summary(summary, console)
     if summary.get("exported_model"):
         console.print(f"model: {summary['exported_model']}", highlight=False, soft_wrap=True)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
+
+
+def checked_and_run(
+    cfg: RunConfig, output_dir: Path, console: Console, claim_ready: bool
+) -> tuple[dict, bool]:
+    """The run's summary, and whether it trained (not when an earlier run left nothing to)."""
+    hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s, claim_ready)
+    if hosts.kept_ready:
+        console.print(
+            f"ray: {hosts.kept_ready} of {cfg.cluster.hosts} hosts kept ready by an earlier run",
+            highlight=False,
+            soft_wrap=True,
+        )
+    try:
+        # Imported once the hosts are requested: Keras takes seconds to import, and the
+        # hosts' actors start meanwhile.
+        from training.driver.preflight import preflight
+
+        checked = preflight(cfg)
+        if nothing_left_to_train(cfg, checked):
+            hosts.shutdown()
+            return completed_earlier(cfg, checked, output_dir, console), False
+        print_parameters(checked.parameters, console)
+        if checked.layout:
+            print_layout(checked.layout, console)
+        cfg = with_layout(cfg, checked)
+        display = ProgressDisplay(cfg.trainer.steps, console)
+        supervisor = Supervisor(cfg, checked, output_dir, display, hosts)
+    except BaseException:
+        hosts.shutdown()
+        raise
+    return supervisor.run(), True
+
+
+def leave_hosts_ready(cluster: LocalClusterConfig, keep: bool, console: Console) -> None:
+    """Replace the hosts kept ready on the instance by this run's (none unless `keep`)."""
+    keep_ready(cluster.hosts, cluster.platform, host_environments(cluster) if keep else [])
+    if not keep:
+        return
+    console.print(
+        f"ray: {cluster.hosts} hosts kept ready in the running instance for the next run "
+        "(`ray stop` ends them; cluster.keep_hosts_ready=false keeps none)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def nothing_left_to_train(cfg: RunConfig, checked) -> bool:

@@ -3,6 +3,7 @@ multi-node Ray cluster on this machine (submitted as a Ray job, as on a real clu
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -15,6 +16,7 @@ from ipaddress import ip_address
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
@@ -207,24 +209,110 @@ def test_a_local_run_joins_a_running_one_node_instance_only_with_room(tmp_path):
     not, nor one told not to. The run's shell, as a user's, has the token at hand but does
     not set `RAY_AUTH_MODE`."""
     with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
-        users_shell = {k: v for k, v in single.env.items() if k != "RAY_AUTH_MODE"}
 
         def joined(*overrides: str) -> str:
-            result = subprocess.run(
-                [sys.executable, "-c", JOIN, *overrides],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                env=users_shell,
-                timeout=120,
-            )
-            assert result.returncode == 0, result.stderr[-2000:]
+            result = in_users_shell(single, [sys.executable, "-c", JOIN, *overrides], REPO)
             return result.stdout.strip().splitlines()[-1]
 
         assert f"the running local instance at {single.address}" in joined()
         assert joined("cluster.hosts=8") == "''"
     told_not_to = run_config(["cluster.use_running=false"]).cluster
     assert join_running(told_not_to) == ""  # before looking for one
+
+
+def users_shell(cluster: MultiNodeCluster) -> dict[str, str]:
+    """The cluster's environment as a user's shell has it: the token at hand, but no
+    `RAY_AUTH_MODE`."""
+    return {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+
+
+def in_users_shell(cluster: MultiNodeCluster, command: list[str], cwd: Path):
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=cwd, env=users_shell(cluster), timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+PRINTING_MODEL = """
+import keras
+
+def get_model():
+    print("building the model", flush=True)
+    x = keras.Input(shape=(16,))
+    return keras.Model(x, keras.layers.Dense(1)(x))
+"""
+HOST_STARTED = re.compile(r"host (\d) on .*?, pid (\d+)\)")
+
+
+def test_a_run_takes_the_hosts_the_run_before_kept_ready_and_they_end_with_it(tmp_path):
+    """On an instance the user keeps, a run leaves its hosts' processes started; the next
+    takes them (they existed before it started), shows what they print (Ray streams it to
+    the earlier run's job only), and they end with its driver, killed outright."""
+    (tmp_path / "printing_models.py").write_text(PRINTING_MODEL)
+    np.savez(tmp_path / "train.npz", **make_data.make(rows=512))
+    command = [
+        sys.executable,
+        "-m",
+        "training.run",
+        "model=keras",
+        "model.build=printing_models:get_model",
+        "model.loss=mse",
+        "data=arrays",
+        "data.path=train.npz",
+        "cluster.platform=cpu",
+        *FAST,
+    ]
+    with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
+        first = in_users_shell(single, [*command, f"hydra.run.dir={tmp_path / 'first'}"], tmp_path)
+        assert "2 hosts kept ready in the running instance" in first.stdout
+        kept = _kept_hosts(2)
+
+        log = tmp_path / "second" / "run.log"
+        second = subprocess.Popen(
+            [*command, "trainer.steps=100000", f"hydra.run.dir={tmp_path / 'second'}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp_path,
+            env=users_shell(single),
+        )
+        try:
+            text = _wait_for(log, lambda text: len(HOST_STARTED.findall(text)) == 2)
+            hosts = {int(pid) for _, pid in HOST_STARTED.findall(text)}
+            assert hosts <= kept, (hosts, kept, text)
+            printed = [f"(host {h}) building the model" for h in (0, 1)]
+            _wait_for(log, lambda text: all(line in text for line in printed))
+            second.kill()
+            gone = psutil.wait_procs([psutil.Process(pid) for pid in hosts], timeout=30)[0]
+            assert len(gone) == 2, "the claimed hosts outlived their driver"
+        finally:
+            second.kill()
+
+
+def _kept_hosts(count: int, timeout_s: float = 60) -> set[int]:
+    """The pids of the `count` host actors' processes that start after a run."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hosts = {
+            process.pid
+            for process in psutil.process_iter(["cmdline"])
+            if (process.info["cmdline"] or [""])[0].startswith("ray::HostActor")
+        }
+        if len(hosts) == count:
+            return hosts
+        time.sleep(0.5)
+    raise AssertionError(f"{count} hosts kept ready did not start within {timeout_s:g}s")
+
+
+def _wait_for(log: Path, written, timeout_s: float = 180) -> str:
+    """The log's text once `written(text)`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if written(text):
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"{log} after {timeout_s:g}s:\n{text}")
 
 
 def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run(
@@ -332,7 +420,6 @@ def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
     """Host 0's `jax.distributed` coordinator (an unauthenticated gRPC server) takes no
     connection from the machine's network on a local run. Ray's own servers are not ours to
     bind: Ray 2.60 resolves a loopback node address to the machine's address."""
-    import psutil
 
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -369,7 +456,6 @@ def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
 
 
 def _connections(process) -> list:
-    import psutil
 
     try:
         return process.net_connections(kind="inet")

@@ -66,5 +66,9 @@ class RunLog:
         else:
             self.line(f"warning from host {host} (as host {first}): {message}", show=False)
 
+    def host_output(self, host: int, line: str) -> None:
+        """A line a host printed, labelled as Ray labels the lines it streams."""
+        self.line(f"(host {host}) {line}")
+
     def close(self) -> None:
         self._file.close()

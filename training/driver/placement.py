@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
 import ray
 from ray.util.placement_group import (
     placement_group,
@@ -22,6 +21,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config import ClusterConfig, ConfigError, host_gpus
+from training.driver import ready_hosts
 from training.driver.cluster import (
     alive_nodes,
     describe_nodes,
@@ -29,7 +29,7 @@ from training.driver.cluster import (
     placement_strategy,
 )
 from training.gpus import RESOURCE_PREFIX
-from training.host.actor import HostActor, host_environment
+from training.host.actor import HostActor, host_environment, process_running
 
 PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
 QUEUE_POLL_SECONDS = 1.0
@@ -47,21 +47,25 @@ class HostGroup:
     coordinator: object = None  # host 0's answer: the jax.distributed coordinator's address
     joins: list = field(default_factory=list)  # each host's join of the jax.distributed cluster
     local_pids: list[int] = field(default_factory=list)  # see `started`
+    kept_ready: int = 0  # hosts an earlier run kept ready, claimed
 
     @classmethod
-    def request(cls, cluster: ClusterConfig, join_timeout_s: float) -> HostGroup:
+    def request(
+        cls, cluster: ClusterConfig, join_timeout_s: float, claim_ready: bool = False
+    ) -> HostGroup:
         """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
         actor once its host is placed, and the actor imports its libraries and joins the
         group's `jax.distributed` cluster (within `join_timeout_s`) at once. So a group
         requested early (during the driver's checks, or as a spare while another group
-        trains) is ready sooner when it is needed."""
+        trains) is ready sooner when it is needed. `claim_ready`: take the hosts an earlier
+        run kept ready where they match (a local run on an instance it joined)."""
         bundles = host_bundles(cluster)
         _check_local_gpus_offered(cluster, bundles)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
         placement = placement_group(bundles, strategy=placement_strategy(cluster), name=name)
         group = cls(cluster, name, placement)
         try:
-            group._start_actors(bundles)
+            group._start_actors(bundles, claim_ready)
             group._join(join_timeout_s)
         except BaseException:
             group.shutdown()
@@ -81,18 +85,16 @@ class HostGroup:
                 f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
             )
 
-    def _start_actors(self, bundles: list[dict]) -> None:
+    def _start_actors(self, bundles: list[dict], claim_ready: bool) -> None:
+        """One actor per host, each placed in its bundle; with `claim_ready`, a host kept
+        ready by an earlier run (`training.driver.ready_hosts`) where one is there."""
         cluster = self.cluster
-        local_gpus = host_gpus(cluster) if cluster.name == "local" else None
-        for host, bundle in enumerate(bundles):
-            # Local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES; on a Ray cluster
-            # Ray sets it from the `GPU` count the actor holds.
-            env = host_environment(
-                cluster.platform,
-                cluster.devices_per_host,
-                gpus=local_gpus[host] if local_gpus else None,
-                inherited=dict(os.environ) if cluster.name == "local" else {},
-            )
+        for host, (bundle, env) in enumerate(zip(bundles, host_environments(cluster), strict=True)):
+            kept = claim_ready and ready_hosts.claim(host, cluster.hosts, cluster.platform, env)
+            if kept:
+                self.actors.append(kept)
+                self.kept_ready += 1
+                continue
             custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
             actor = HostActor.options(
                 num_cpus=bundle["CPU"],
@@ -125,25 +127,34 @@ class HostGroup:
         self.local_pids = []
 
 
+def host_environments(cluster: ClusterConfig) -> list[dict[str, str]]:
+    """Each host's environment: local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES;
+    on a Ray cluster Ray sets it from the `GPU` count the actor holds."""
+    local = cluster.name == "local"
+    gpus = host_gpus(cluster) if local else [None] * cluster.hosts
+    return [
+        host_environment(
+            cluster.platform,
+            cluster.devices_per_host,
+            gpus=host,
+            inherited=dict(os.environ) if local else {},
+        )
+        for host in gpus
+    ]
+
+
 def _stop_processes(pids: list[int]) -> None:
     """Ray's kill asks a host's process to exit, which a stopped or stalled process may not do
     for seconds; until it does, it holds its devices (a GPU's memory) while the next group
     starts on them. Give those on this node a moment, then kill them outright."""
     deadline = time.monotonic() + PROCESS_EXIT_SECONDS
-    left = [pid for pid in pids if _running(pid)]
+    left = [pid for pid in pids if process_running(pid)]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [pid for pid in left if _running(pid)]
+        left = [pid for pid in left if process_running(pid)]
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _describe(bundles: list[dict]) -> str:

@@ -36,6 +36,7 @@ from training.driver.watchdog import Watchdog
 from training.events import (
     Compiled,
     FromHost,
+    HostOutput,
     HostWarning,
     Ready,
     StepLogged,
@@ -234,6 +235,8 @@ class Supervisor:
                 }
             case HostWarning():
                 self.log.host_warning(host, event.message)
+            case HostOutput():
+                self.log.host_output(host, event.line)
             case StepLogged():
                 self._logged(host, event)
         self.display.advance_to(watchdog.slowest_step())

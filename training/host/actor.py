@@ -7,20 +7,24 @@ The actor's environment (device count, platform, backend) is set through Ray's
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
+import time
+from contextlib import nullcontext
 
+import psutil
 import ray
 
 from training.config import RunConfig
 from training.events import Event, FromHost
+from training.host.output import drop_gloo_chatter, sent_to
 from training.host.phases import Beats, Phase
 from training.host.warnings import forward_warnings
 from training.models.remat import cpu_xla_flags
 from training.parallel.mesh import MeshShape
 
 LOOPBACK = "127.0.0.1"
+DRIVER_WATCH_SECONDS = 1.0
 
 
 def host_environment(
@@ -58,9 +62,28 @@ class HostActor:
         self.platform = platform
         self._stop = threading.Event()
         self._port_reservation: socket.socket | None = None
+        self._claim = threading.Lock()
+        self._claimed = False
         # While the driver still gathers the hosts and runs its checks: importing touches no
         # device, so `jax.distributed.initialize` still comes first.
-        threading.Thread(target=_import_libraries, name="imports", daemon=True).start()
+        self._imports = threading.Thread(target=_import_libraries, name="imports", daemon=True)
+        self._imports.start()
+
+    def claim(self, driver_pid: int) -> bool:
+        """A host kept ready (`training.driver.ready_hosts`): True for the first run that asks,
+        whose driver (a process on this machine) this host then ends with; False after."""
+        with self._claim:
+            if self._claimed:
+                return False
+            self._claimed = True
+        threading.Thread(
+            target=_end_with, args=(driver_pid,), name="driver-watch", daemon=True
+        ).start()
+        return True
+
+    def imported(self) -> None:
+        """Return once the libraries are imported."""
+        self._imports.join()
 
     def request_stop(self) -> None:
         """Checkpoint and return after the current step (the driver is being preempted); the
@@ -106,7 +129,7 @@ class HostActor:
         import jax
 
         if self.platform == "cpu":
-            _drop_gloo_chatter()
+            drop_gloo_chatter()
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # Must precede any use of devices: once the backend exists, initialize forms no cluster.
         jax.distributed.initialize(
@@ -138,8 +161,26 @@ class HostActor:
 
         # The beats go on while the host builds, compiles or saves, however long.
         phase = Phase()
-        with forward_warnings(send), Beats(phase, send):
+        # A host kept ready was started by an earlier run's job, whose driver Ray streams its
+        # output to.
+        output = sent_to(send) if self._claimed else nullcontext()
+        with forward_warnings(send), Beats(phase, send), output:
             return {"host": self.host_index, **train(cfg, mesh, send, self._stop.is_set, phase)}
+
+
+def _end_with(pid: int) -> None:
+    """A detached actor outlives its driver: end this process once the driver's has ended."""
+    while process_running(pid):
+        time.sleep(DRIVER_WATCH_SECONDS)
+    os._exit(1)
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _import_libraries() -> None:
@@ -147,25 +188,3 @@ def _import_libraries() -> None:
     import keras  # noqa: F401
 
     import training.host.trainer  # noqa: F401
-
-
-# Gloo prints a line from C++ for every communicator it connects, straight to stdout, with
-# no setting to stop it; threads interleave those lines, so match the fragments too.
-GLOO_CHATTER = re.compile(rb"\[Gloo\]|connected to \d+ peer ranks|Expected number of connected")
-
-
-def _drop_gloo_chatter() -> None:
-    """Pass this process's stdout through a filter that drops Gloo's connection lines, so the
-    driver's terminal shows what the hosts really print and not dozens of those."""
-    read_end, write_end = os.pipe()
-    destination = os.dup(1)
-    os.dup2(write_end, 1)
-    os.close(write_end)
-
-    def pump() -> None:
-        with os.fdopen(read_end, "rb") as source:
-            for line in source:
-                if not GLOO_CHATTER.search(line):
-                    os.write(destination, line)
-
-    threading.Thread(target=pump, name="stdout-filter", daemon=True).start()
