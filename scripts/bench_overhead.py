@@ -20,8 +20,8 @@
    which a local run joins when it has room: `cluster.use_running`), compiling from
    scratch, in a new process timed from its launch as the plain ones are, against the
    plain processes started right after it: the warm start. The first run on the instance,
-   then the median of --warm-runs runs that take the hosts the run before kept ready
-   (`cluster.keep_hosts_ready`). Target <= 1.15.
+   then the median of --warm-runs runs that take the standby hosts the run before left
+   (`cluster.standby_hosts`). Target <= 1.15.
 
 Fake CPU devices share the machine's cores and other work on the machine adds noise:
 compare the ratios of one run, not absolute times.
@@ -370,7 +370,7 @@ def run_system_afresh(overrides: list[str]) -> dict:
 def warm_pairs(steps: int, runs: int) -> tuple[tuple[dict, dict], list[tuple[dict, dict]]]:
     """Warm starts, each followed by a start of the plain processes (a moment of noise on
     the machine slows both of a pair): the first on the instance, then `runs` that take the
-    hosts the run before kept ready, each once those have imported their libraries (which
+    standby hosts the run before left, each once those have imported their libraries (which
     would otherwise slow the plain processes)."""
     pairs = []
     with running_ray_instance():
@@ -379,24 +379,24 @@ def warm_pairs(steps: int, runs: int) -> tuple[tuple[dict, dict], list[tuple[dic
                 warm = run_system_afresh(
                     [*SYSTEM, f"trainer.steps={steps}", f"trainer.compile_cache_dir={cache}"]
                 )
-            wait_for_kept_hosts()
+            wait_for_standby_hosts()
             pairs.append((warm, run_plain([*SYSTEM, f"trainer.steps={steps}"], steps)))
     return pairs[0], pairs[1:]
 
 
-def wait_for_kept_hosts() -> None:
+def wait_for_standby_hosts() -> None:
     import ray
 
-    from training.driver.ready_hosts import NAMESPACE
+    from training.driver.standby_hosts import NAMESPACE
 
     ray.init(address="auto", logging_level="WARNING")
     try:
-        kept = [
+        standby = [
             ray.get_actor(found["name"], namespace=NAMESPACE)
             for found in ray.util.list_named_actors(all_namespaces=True)
             if found["namespace"] == NAMESPACE
         ]
-        ray.get([host.imported.remote() for host in kept])
+        ray.get([host.imported.remote() for host in standby])
     finally:
         ray.shutdown()
 
@@ -413,7 +413,7 @@ def report_warm(first: tuple[dict, dict], pairs: list[tuple[dict, dict]]) -> Non
         f"5. time to first step on a running Ray instance (warm start; compile from scratch), "
         f"against the plain processes started after it (target <= 1.15):\n"
         f"   first run on the instance: ratio {warm_ratio(first):.2f}\n"
-        f"   runs taking the hosts the run before kept ready, median of {len(pairs)}: system "
+        f"   runs taking the standby hosts the run before left, median of {len(pairs)}: system "
         f"{warm['since_start'] + warm['first_step_seconds']:.1f} s, plain processes "
         f"{plain['first_step_seconds']:.1f} s: ratio {warm_ratio(median):.2f} (each: "
         f"{', '.join(f'{warm_ratio(p):.2f}' for p in pairs)})"

@@ -84,10 +84,9 @@ class HostWarning:
 
 @dataclass(frozen=True)
 class HostOutput:
-    """A line the host's process wrote, where Ray would not stream it to this run's driver
+    """A line the host printed, where Ray would not stream it to this run's driver
     (`training.host.output`)."""
 
-    stream: str  # stdout or stderr
     line: str
 
 

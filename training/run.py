@@ -36,6 +36,7 @@ from training.config import (  # noqa: E402
     to_run_config,
     with_open_dicts,
 )
+from training.driver import standby_hosts  # noqa: E402
 from training.driver.checked import check_sizes, with_layout  # noqa: E402
 from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import (  # noqa: E402
@@ -46,7 +47,6 @@ from training.driver.display import (  # noqa: E402
 )
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup, host_environments  # noqa: E402
-from training.driver.ready_hosts import keep_ready  # noqa: E402
 from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
@@ -69,16 +69,16 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
             if joined:
                 console.print(joined, highlight=False, soft_wrap=True)
             # On an instance the user keeps, the next run finds its hosts started.
-            keep_ready = bool(joined) and cfg.cluster.keep_hosts_ready
+            standby = bool(joined) and cfg.cluster.standby_hosts
             interrupted = False
             try:
-                summary, trained = checked_and_run(cfg, output_dir, console, keep_ready)
+                summary, trained = checked_and_run(cfg, output_dir, console, standby)
             except KeyboardInterrupt:
                 interrupted = True
                 raise
             finally:
                 if joined and not interrupted:
-                    leave_hosts_ready(cfg.cluster, keep_ready, console)
+                    leave_standby_hosts(cfg.cluster, standby, console)
     if not trained:
         return summary
     print_summary(summary, console)
@@ -89,13 +89,14 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
 
 
 def checked_and_run(
-    cfg: RunConfig, output_dir: Path, console: Console, claim_ready: bool
+    cfg: RunConfig, output_dir: Path, console: Console, claim_standby: bool
 ) -> tuple[dict, bool]:
     """The run's summary, and whether it trained (not when an earlier run left nothing to)."""
-    hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s, claim_ready)
-    if hosts.kept_ready:
+    hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s, claim_standby)
+    if hosts.from_standby:
         console.print(
-            f"ray: {hosts.kept_ready} of {cfg.cluster.hosts} hosts kept ready by an earlier run",
+            f"ray: {hosts.from_standby} of {cfg.cluster.hosts} hosts taken from standby "
+            "(left started by an earlier run)",
             highlight=False,
             soft_wrap=True,
         )
@@ -120,17 +121,23 @@ def checked_and_run(
     return supervisor.run(), True
 
 
-def leave_hosts_ready(cluster: LocalClusterConfig, keep: bool, console: Console) -> None:
-    """Replace the hosts kept ready on the instance by this run's (none unless `keep`)."""
-    keep_ready(cluster.hosts, cluster.platform, host_environments(cluster) if keep else [])
-    if not keep:
+def leave_standby_hosts(cluster: LocalClusterConfig, leave: bool, console: Console) -> None:
+    """Replace the standby hosts on the instance by this run's (none unless `leave`). Best
+    effort: the run's own outcome stands whatever happens here."""
+    try:
+        standby_hosts.leave(
+            cluster.hosts, cluster.platform, host_environments(cluster) if leave else []
+        )
+    except Exception as error:  # noqa: BLE001 - an instance stopped or lost meanwhile
+        console.print(f"ray: no standby hosts left: {error}", highlight=False, soft_wrap=True)
         return
-    console.print(
-        f"ray: {cluster.hosts} hosts kept ready in the running instance for the next run "
-        "(`ray stop` ends them; cluster.keep_hosts_ready=false keeps none)",
-        highlight=False,
-        soft_wrap=True,
-    )
+    if leave:
+        console.print(
+            f"ray: {cluster.hosts} standby hosts left in the running instance for the next "
+            "run (`ray stop` ends them; cluster.standby_hosts=false leaves none)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def nothing_left_to_train(cfg: RunConfig, checked) -> bool:

@@ -245,10 +245,11 @@ def get_model():
 HOST_STARTED = re.compile(r"host (\d) on .*?, pid (\d+)\)")
 
 
-def test_a_run_takes_the_hosts_the_run_before_kept_ready_and_they_end_with_it(tmp_path):
-    """On an instance the user keeps, a run leaves its hosts' processes started; the next
-    takes them (they existed before it started), shows what they print (Ray streams it to
-    the earlier run's job only), and they end with its driver, killed outright."""
+def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(tmp_path):
+    """On an instance the user keeps, a run leaves its hosts' processes started (standby
+    hosts); the next takes them (they existed before it started), shows what they print (Ray
+    streams it to the earlier run's job only), and they end with its driver, killed
+    outright."""
     (tmp_path / "printing_models.py").write_text(PRINTING_MODEL)
     np.savez(tmp_path / "train.npz", **make_data.make(rows=512))
     command = [
@@ -265,8 +266,8 @@ def test_a_run_takes_the_hosts_the_run_before_kept_ready_and_they_end_with_it(tm
     ]
     with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
         first = in_users_shell(single, [*command, f"hydra.run.dir={tmp_path / 'first'}"], tmp_path)
-        assert "2 hosts kept ready in the running instance" in first.stdout
-        kept = _kept_hosts(2)
+        assert "2 standby hosts left in the running instance" in first.stdout
+        standby = _standby_hosts(single, 2)
 
         log = tmp_path / "second" / "run.log"
         second = subprocess.Popen(
@@ -279,7 +280,7 @@ def test_a_run_takes_the_hosts_the_run_before_kept_ready_and_they_end_with_it(tm
         try:
             text = _wait_for(log, lambda text: len(HOST_STARTED.findall(text)) == 2)
             hosts = {int(pid) for _, pid in HOST_STARTED.findall(text)}
-            assert hosts <= kept, (hosts, kept, text)
+            assert hosts <= standby, (hosts, standby, text)
             printed = [f"(host {h}) building the model" for h in (0, 1)]
             _wait_for(log, lambda text: all(line in text for line in printed))
             second.kill()
@@ -289,19 +290,25 @@ def test_a_run_takes_the_hosts_the_run_before_kept_ready_and_they_end_with_it(tm
             second.kill()
 
 
-def _kept_hosts(count: int, timeout_s: float = 60) -> set[int]:
-    """The pids of the `count` host actors' processes that start after a run."""
+def _standby_hosts(cluster: MultiNodeCluster, count: int, timeout_s: float = 60) -> set[int]:
+    """The pids of the `count` host actors' processes of `cluster` (whose processes carry its
+    token) that start after a run."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        hosts = {
-            process.pid
-            for process in psutil.process_iter(["cmdline"])
-            if (process.info["cmdline"] or [""])[0].startswith("ray::HostActor")
-        }
+        hosts = {p.pid for p in psutil.process_iter(["cmdline"]) if _host_of(cluster, p)}
         if len(hosts) == count:
             return hosts
         time.sleep(0.5)
-    raise AssertionError(f"{count} hosts kept ready did not start within {timeout_s:g}s")
+    raise AssertionError(f"{count} standby hosts did not start within {timeout_s:g}s")
+
+
+def _host_of(cluster: MultiNodeCluster, process: psutil.Process) -> bool:
+    if not (process.info["cmdline"] or [""])[0].startswith("ray::HostActor"):
+        return False
+    try:
+        return process.environ().get("RAY_AUTH_TOKEN") == cluster.env["RAY_AUTH_TOKEN"]
+    except psutil.Error:  # gone meanwhile
+        return False
 
 
 def _wait_for(log: Path, written, timeout_s: float = 180) -> str:

@@ -37,8 +37,8 @@ class LocalClusterConfig:
     # it has room for the hosts, instead of starting one (seconds on a small machine).
     use_running: bool = True
     # On such an instance, leave the hosts' processes started as the run ends, libraries
-    # imported, for the next run to take (training.driver.ready_hosts).
-    keep_hosts_ready: bool = True
+    # imported, for the next run to take (training.driver.standby_hosts).
+    standby_hosts: bool = True
     # Not settable: every host shares this machine's one node.
     host_resource: ClassVar[Optional[str]] = None
 

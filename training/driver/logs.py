@@ -67,7 +67,7 @@ class RunLog:
             self.line(f"warning from host {host} (as host {first}): {message}", show=False)
 
     def host_output(self, host: int, line: str) -> None:
-        """A line a host printed, labelled as Ray labels the lines it streams."""
+        """A line a host printed that Ray does not stream here, labelled with its host."""
         self.line(f"(host {host}) {line}")
 
     def close(self) -> None:

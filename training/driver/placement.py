@@ -21,7 +21,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config import ClusterConfig, ConfigError, host_gpus
-from training.driver import ready_hosts
+from training.driver import standby_hosts
 from training.driver.cluster import (
     alive_nodes,
     describe_nodes,
@@ -47,25 +47,25 @@ class HostGroup:
     coordinator: object = None  # host 0's answer: the jax.distributed coordinator's address
     joins: list = field(default_factory=list)  # each host's join of the jax.distributed cluster
     local_pids: list[int] = field(default_factory=list)  # see `started`
-    kept_ready: int = 0  # hosts an earlier run kept ready, claimed
+    from_standby: int = 0  # standby hosts claimed (training.driver.standby_hosts)
 
     @classmethod
     def request(
-        cls, cluster: ClusterConfig, join_timeout_s: float, claim_ready: bool = False
+        cls, cluster: ClusterConfig, join_timeout_s: float, claim_standby: bool = False
     ) -> HostGroup:
         """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
         actor once its host is placed, and the actor imports its libraries and joins the
         group's `jax.distributed` cluster (within `join_timeout_s`) at once. So a group
         requested early (during the driver's checks, or as a spare while another group
-        trains) is ready sooner when it is needed. `claim_ready`: take the hosts an earlier
-        run kept ready where they match (a local run on an instance it joined)."""
+        trains) is ready sooner when it is needed. `claim_standby`: take the standby hosts an
+        earlier run left where they match (a local run on an instance it joined)."""
         bundles = host_bundles(cluster)
         _check_local_gpus_offered(cluster, bundles)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
         placement = placement_group(bundles, strategy=placement_strategy(cluster), name=name)
         group = cls(cluster, name, placement)
         try:
-            group._start_actors(bundles, claim_ready)
+            group._start_actors(bundles, claim_standby)
             group._join(join_timeout_s)
         except BaseException:
             group.shutdown()
@@ -85,15 +85,15 @@ class HostGroup:
                 f"{describe_nodes(alive_nodes(), cluster.host_resource)}"
             )
 
-    def _start_actors(self, bundles: list[dict], claim_ready: bool) -> None:
-        """One actor per host, each placed in its bundle; with `claim_ready`, a host kept
-        ready by an earlier run (`training.driver.ready_hosts`) where one is there."""
+    def _start_actors(self, bundles: list[dict], claim_standby: bool) -> None:
+        """One actor per host, each placed in its bundle; with `claim_standby`, the host's
+        standby host where an earlier run left one."""
         cluster = self.cluster
         for host, (bundle, env) in enumerate(zip(bundles, host_environments(cluster), strict=True)):
-            kept = claim_ready and ready_hosts.claim(host, cluster.hosts, cluster.platform, env)
+            kept = claim_standby and standby_hosts.claim(host, cluster.hosts, cluster.platform, env)
             if kept:
                 self.actors.append(kept)
-                self.kept_ready += 1
+                self.from_standby += 1
                 continue
             custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
             actor = HostActor.options(

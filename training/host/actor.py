@@ -70,7 +70,7 @@ class HostActor:
         self._imports.start()
 
     def claim(self, driver_pid: int) -> bool:
-        """A host kept ready (`training.driver.ready_hosts`): True for the first run that asks,
+        """A standby host (`training.driver.standby_hosts`): True for the first run that asks,
         whose driver (a process on this machine) this host then ends with; False after."""
         with self._claim:
             if self._claimed:
@@ -161,7 +161,7 @@ class HostActor:
 
         # The beats go on while the host builds, compiles or saves, however long.
         phase = Phase()
-        # A host kept ready was started by an earlier run's job, whose driver Ray streams its
+        # A standby host was started by an earlier run's job, whose driver Ray streams its
         # output to.
         output = sent_to(send) if self._claimed else nullcontext()
         with forward_warnings(send), Beats(phase, send), output:
