@@ -36,16 +36,12 @@ def claim(host: int, hosts: int, platform: str, env: dict[str, str]):
     answer."""
     try:
         actor = ray.get_actor(_name(host, hosts, platform, env), namespace=NAMESPACE)
-    except ValueError:  # none
+        held = _held(actor)
+    except Exception:  # noqa: BLE001 - none, dead, or of other code: the run starts its own
         return None
-    try:
-        if ray.get(actor.claim.remote(os.getpid()), timeout=CLAIM_TIMEOUT_S):
-            return actor
-    except GetTimeoutError:  # stuck: the claim may still land, holding it for nothing
+    if held is None:  # stuck: the claim may still land, holding it for nothing
         ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - dead, or of other code: the run starts its own
-        return None
-    return None
+    return actor if held else None
 
 
 def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> None:
@@ -75,13 +71,20 @@ def _end_unclaimed(name: str) -> None:
     except ValueError:  # gone already
         return
     try:
-        unclaimed = ray.get(actor.claim.remote(os.getpid()), timeout=CLAIM_TIMEOUT_S)
-    except GetTimeoutError:  # busy: a run's host
-        return
+        held = _held(actor)
     except Exception:  # noqa: BLE001 - dead, or not a host of this code
-        unclaimed = True
-    if unclaimed:
+        held = True
+    if held:  # not False (a run holds it) nor None (busy: a run's host)
         ray.kill(actor, no_restart=True)
+
+
+def _held(actor) -> bool | None:
+    """Claim `actor` for this process: True if this process holds it now, False if a run
+    had claimed it, None if it did not answer in time."""
+    try:
+        return ray.get(actor.claim.remote(os.getpid()), timeout=CLAIM_TIMEOUT_S)
+    except GetTimeoutError:
+        return None
 
 
 def _name(host: int, hosts: int, platform: str, env: dict[str, str]) -> str:
