@@ -387,15 +387,11 @@ def warm_pairs(steps: int, runs: int) -> tuple[tuple[dict, dict], list[tuple[dic
 def wait_for_standby_hosts() -> None:
     import ray
 
-    from training.driver.standby_hosts import NAMESPACE
+    from training.driver.standby_hosts import NAMESPACE, standing
 
     ray.init(address="auto", logging_level="WARNING")
     try:
-        standby = [
-            ray.get_actor(found["name"], namespace=NAMESPACE)
-            for found in ray.util.list_named_actors(all_namespaces=True)
-            if found["namespace"] == NAMESPACE
-        ]
+        standby = [ray.get_actor(name, namespace=NAMESPACE) for name in standing()]
         ray.get([host.imported.remote() for host in standby])
     finally:
         ray.shutdown()

@@ -290,16 +290,15 @@ def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(
             second.kill()
 
 
-def _standby_hosts(cluster: MultiNodeCluster, count: int, timeout_s: float = 60) -> set[int]:
+def _standby_hosts(cluster: MultiNodeCluster, count: int) -> set[int]:
     """The pids of the `count` host actors' processes of `cluster` (whose processes carry its
     token) that start after a run."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        hosts = {p.pid for p in psutil.process_iter(["cmdline"]) if _host_of(cluster, p)}
-        if len(hosts) == count:
-            return hosts
-        time.sleep(0.5)
-    raise AssertionError(f"{count} standby hosts did not start within {timeout_s:g}s")
+    return _polled(
+        lambda: {p.pid for p in psutil.process_iter(["cmdline"]) if _host_of(cluster, p)},
+        lambda hosts: len(hosts) == count,
+        f"{count} standby hosts",
+        timeout_s=60,
+    )
 
 
 def _host_of(cluster: MultiNodeCluster, process: psutil.Process) -> bool:
@@ -311,15 +310,20 @@ def _host_of(cluster: MultiNodeCluster, process: psutil.Process) -> bool:
         return False
 
 
-def _wait_for(log: Path, written, timeout_s: float = 180) -> str:
+def _wait_for(log: Path, written) -> str:
     """The log's text once `written(text)`."""
+    return _polled(lambda: log.read_text() if log.exists() else "", written, str(log), 180)
+
+
+def _polled(read, done, what: str, timeout_s: float):
+    """`read()` once `done` with it, read every half second; an AssertionError after
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if written(text):
-            return text
+    while not done(value := read()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} after {timeout_s:g}s:\n{value}")
         time.sleep(0.5)
-    raise AssertionError(f"{log} after {timeout_s:g}s:\n{text}")
+    return value
 
 
 def test_a_job_on_the_cluster_places_one_host_per_node_and_matches_the_local_run(

@@ -47,9 +47,8 @@ def claim(host: int, hosts: int, platform: str, env: dict[str, str]):
 def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> None:
     """Replace the unclaimed standby hosts on this instance by one per host in `envs`. A
     name still held (another run's claimed host, alike) is left to that run."""
-    for found in ray.util.list_named_actors(all_namespaces=True):
-        if found["namespace"] == NAMESPACE:
-            _end_unclaimed(found["name"])
+    for name in standing():
+        _end_unclaimed(name)
     for host, env in enumerate(envs):
         try:
             HostActor.options(
@@ -61,6 +60,15 @@ def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> None:
             ).remote(host, hosts, platform)
         except ActorAlreadyExistsError:
             continue
+
+
+def standing() -> list[str]:
+    """The names of the standby hosts on this instance, claimed or not."""
+    return [
+        found["name"]
+        for found in ray.util.list_named_actors(all_namespaces=True)
+        if found["namespace"] == NAMESPACE
+    ]
 
 
 def _end_unclaimed(name: str) -> None:
