@@ -31,8 +31,7 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
     dataset = build_dataset(cfg.data)
     model = build_compiled(cfg, dataset.spec)
-    if cfg.strategy.shards_over_data:
-        gather_for_use(model)
+    gather_for_use(model)  # fsdp's weights, and those a model's own rules split over `data`
     return model, dataset
 
 

@@ -14,7 +14,7 @@ from training.contracts import ACTIVATION_RULE_SUFFIX, DataSpec, LayoutRules, Va
 from training.data import build_dataset
 from training.driver.checked import Checked, check_sizes
 from training.models.remat import remat_layers
-from training.parallel import auto_layout, costs, fsdp
+from training.parallel import auto_layout, costs, fsdp, tensor_parallel
 from training.parallel.mesh import MeshShape
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
@@ -51,6 +51,7 @@ def preflight(cfg: RunConfig) -> Checked:
         )
     if rules is not None:
         check_layout_rules(rules, variables, mesh)
+        rules = {**rules, **tensor_parallel.output_rules(model, rules, mesh.model)}
     if cfg.strategy.shards_over_data:
         rules = fsdp.shard_over_data(rules, variables, mesh.data)
     if cfg.plan.check_memory:

@@ -34,7 +34,7 @@ from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel import layer_graph
-from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, kernel_variable
+from training.parallel.tensor_parallel import Derivation, kernel_variable
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -103,11 +103,11 @@ class _Chooser(Derivation):
     sight instead of reading it from the rules (which start as the user's overrides)."""
 
     def __init__(self, model, overrides: LayoutRules, n: int):
-        super().__init__(overrides, n, examples=1, value_bytes=4)
+        paths = frozenset(layer.path for layer in model._flatten_layers() if layer.path)
+        super().__init__(overrides, n, examples=1, value_bytes=4, layer_paths=paths)
         self.overrides = set(overrides)
         self.decided: dict[str, tuple] = {}  # path -> axes ((): whole)
         self.reasons: dict[str, str] = {}  # path (or <layer>/output) -> why
-        self.layer_paths = {layer.path for layer in model._flatten_layers() if layer.path}
         self.pairs_formed = False  # some projection was split by rows, after its partner
         self.small_matrices: list = []  # left whole on first sight; see split_small_matrices
 
@@ -223,23 +223,13 @@ class _Chooser(Derivation):
 
     # -- activations --------------------------------------------------------------------------
 
-    def set_output(self, layer_path: str, tensor, state) -> None:
-        key = f"{layer_path}{ACTIVATION_RULE_SUFFIX}"
-        batched = bool(tensor.shape) and tensor.shape[0] is None
-        if layer_path in self.layer_paths and batched and not super().weight_axes(_Named(key)):
-            target = REPLICATED if state in (REPLICATED, PARTIAL) else state
-            axes = ["data"] + [None] * (len(tensor.shape) - 1)
-            if target is not REPLICATED:
-                axes[target] = "model"
-            self.rules[re.escape(key)] = tuple(axes)
-            self.reasons[key] = "its output: batch over data, " + (
-                "whole over model" if target is REPLICATED else "split over model"
-            )
-        super().set_output(layer_path, tensor, state)
-
     # -- the result ---------------------------------------------------------------------------
 
     def result(self, model) -> AutoLayout:
+        for key, axes in self.found_outputs.items():
+            self.reasons[key] = "its output: batch over data, " + (
+                "split over model" if "model" in axes else "whole over model"
+            )
         names = [v.path for v in model.variables] + [
             f"{p}{ACTIVATION_RULE_SUFFIX}" for p in sorted(self.layer_paths)
         ]
@@ -256,13 +246,6 @@ class _Chooser(Derivation):
             for why in whole
         ]
         return AutoLayout(self.n, {**rules, **overrides}, reasons, tuple(counted))
-
-
-@dataclass(frozen=True)
-class _Named:
-    """A path standing in for a variable where only the rules' lookup by path is wanted."""
-
-    path: str
 
 
 def _elements(variable) -> int:

@@ -27,7 +27,7 @@ from training.parallel.collectives import Collective, gathered_weight, sent_byte
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.fsdp import shard_over_data, user_rules_only
 from training.parallel.mesh import MeshShape
-from training.parallel.tensor_parallel import model_axis_collectives
+from training.parallel.tensor_parallel import model_axis_collectives, output_rules
 from training.recipe.optimizer import build_optimizer
 
 
@@ -114,8 +114,9 @@ def layout_rules(
     cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
 ) -> LayoutRules:
     """Data parallel replicates every variable; the other strategies use the model's rules,
-    or with strategy.layout=auto those derived from its structure for this mesh, and fsdp
-    (or hybrid with strategy.fsdp) splits the large weights over `data` too."""
+    or with strategy.layout=auto those derived from its structure for this mesh, with an
+    output rule for each layer they leave to XLA (`output_rules`); fsdp (or hybrid with
+    strategy.fsdp) splits the large weights over `data` too."""
     if strategy == "data_parallel":
         return {}
     if strategy == "fsdp":
@@ -127,6 +128,7 @@ def layout_rules(
         rules = models.layout_rules(
             cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
         )
+    rules = {**rules, **output_rules(model.keras_model, rules, mesh.model)}
     if strategy == "fsdp" or (strategy == "hybrid" and cfg.strategy.fsdp):
         rules = shard_over_data(rules, model.variables, mesh.data)
     return rules

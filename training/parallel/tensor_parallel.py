@@ -23,7 +23,14 @@ collective that makes an input so, or that its backward pass needs, is counted:
 - an elementwise op between split and replicated values (a hidden-split position table added
   to the activations) is computed split, then gathered: an all-gather of its output;
 - an output rule (`<layer path>/output`) relayouts the layer's output: a partial sum is
-  all-reduced, a split output gathered when the rule keeps it whole;
+  all-reduced, a split output gathered when the rule keeps it whole. Each layer output the
+  rules leave to XLA gets one holding the state found here (`output_rules`, added to every
+  layout), since XLA left to itself may lay the activations out otherwise (keras-hub's Llama
+  rules: the residual stream split over `model`, gathered before each projection that reads
+  it whole and again for each weight's gradient, 1.5 x the plan);
+- where an output rule wants a split kernel's output whole and the kernel is smaller than
+  the output, XLA gathers the kernel instead (a tied head's table; a kernel split on the
+  dimension it contracts, whose input a rule holds whole: keras-hub's query, key and value);
 - logits split over the classes cost the softmax cross-entropy four all-reduces of one float32
   per row (forward: the maximum, the sum of exponentials and the label's logit; backward: the
   sum of the gradient);
@@ -39,8 +46,10 @@ tensors) falls back to that last rule for every split weight.
 from __future__ import annotations
 
 import math
+import re
 import string
 
+from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.models import rule_axes
 from training.parallel import layer_graph
 from training.parallel.collectives import Collective, gathered_weight
@@ -71,6 +80,22 @@ def model_axis_collectives(
     return Derivation(rules, mesh_model, examples, value_bytes).run(*graph)
 
 
+def output_rules(model, rules: Rules, mesh_model: int) -> Rules:
+    """An output rule (`<layer>/output`: batch over `data`, split or whole over `model`) for
+    each layer whose output `rules` leave to XLA, holding the state this derivation finds
+    for it, so that the compiled step keeps the activations as planned. Left to itself, XLA
+    may lay out the activations between two layers differently (keras-hub's Llama rules: the
+    residual stream split over `model`, gathered before each projection that reads it whole
+    and again for each weight's gradient), and send more than the plan says."""
+    graph = layer_graph.graph(model)
+    if mesh_model <= 1 or graph is None:
+        return {}
+    paths = frozenset(layer.path for layer in model._flatten_layers() if layer.path)
+    derivation = Derivation(dict(rules), mesh_model, examples=1, value_bytes=4, layer_paths=paths)
+    derivation.run(*graph)
+    return {re.escape(key): axes for key, axes in derivation.found_outputs.items()}
+
+
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.weights:
@@ -95,11 +120,25 @@ class Derivation:
     output's state is recorded by `set_output`: an automatic layout
     (`training.parallel.auto_layout`) overrides them to choose the layout as it walks."""
 
-    def __init__(self, rules: Rules, n: int, examples: int, value_bytes: int):
+    def __init__(
+        self,
+        rules: Rules,
+        n: int,
+        examples: int,
+        value_bytes: int,
+        layer_paths: frozenset[str] = frozenset(),
+    ):
         self.rules = rules
         self.n = n
         self.examples = examples
         self.value_bytes = value_bytes
+        # `<layer>/output` -> the axes the walk found for that output, for each layer of
+        # `layer_paths` whose batched output no rule lays out (the first call's, for a layer
+        # called twice): a rule from then on, which `output_rules` returns
+        self.layer_paths = layer_paths
+        self.found_outputs: dict[str, tuple] = {}
+        self.ruled: set[int] = set()  # id(KerasTensor) of the outputs an output rule lays out
+        self.batch_of_one = False  # walking a layer's own graph traced on a batch of one
         self.state: dict[int, object] = {}  # id(KerasTensor) -> its state
         # id(KerasTensor) -> its shape, where Keras left a length unknown that the inputs give
         self.shapes: dict[int, tuple] = {}
@@ -155,7 +194,11 @@ class Derivation:
 
     def set_output(self, layer_path: str, tensor, state) -> None:
         """Record a layer output's state, relaid out by an output rule if one matches."""
-        axes = rule_axes(f"{layer_path}/output", self.rules)
+        axes = rule_axes(f"{layer_path}{ACTIVATION_RULE_SUFFIX}", self.rules)
+        if not axes:
+            axes = self._found_output(layer_path, tensor, state)
+        if axes:
+            self.ruled.add(id(tensor))
         if axes and _split_dim(axes) != state:
             target, size = _split_dim(axes), self._bytes(tensor)
             if state == PARTIAL:
@@ -170,6 +213,20 @@ class Derivation:
                 self._add("all-to-all", size, f"backward: {layer_path} output gradient")
             state = target
         self.state[id(tensor)] = state
+
+    def _found_output(self, layer_path: str, tensor, state) -> tuple:
+        """For a layer of `layer_paths` with a batched output: the rule for it holding
+        `state` (a partial sum whole), from now on one of the rules; else ()."""
+        if layer_path not in self.layer_paths:
+            return ()
+        if not tensor.shape or tensor.shape[0] != (1 if self.batch_of_one else None):
+            return ()  # not batched: a table, a mask
+        axes = ["data"] + [None] * (len(tensor.shape) - 1)
+        if state not in (REPLICATED, PARTIAL):
+            axes[state] = "model"
+        key = f"{layer_path}{ACTIVATION_RULE_SUFFIX}"
+        self.found_outputs[key] = self.rules[re.escape(key)] = tuple(axes)
+        return tuple(axes)
 
     # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
 
@@ -243,13 +300,19 @@ class Derivation:
     def _inner(self, inner: layer_graph.Graph, ins, outs, path: str) -> None:
         """Follow a layer's own graph: its inputs' states in, its outputs' states out."""
         inner_inputs, inner_outputs, inner_nodes = inner
+        outer_batch_of_one = self.batch_of_one
         for outer, inner in zip(ins, inner_inputs, strict=False):
             self.state[id(inner)] = self._get(outer)
             self.shapes[id(inner)] = self._shape(outer)
             if id(outer) in self.differentiated:
                 self.differentiated.add(id(inner))
+            if id(outer) in self.ruled:
+                self.ruled.add(id(inner))
+            if outer.shape and outer.shape[0] is None and inner.shape[:1] == (1,):
+                self.batch_of_one = True  # see layer_graph.call_graph
         for inner_node in inner_nodes:
             self._node(inner_node)
+        self.batch_of_one = outer_batch_of_one
         for outer, inner in zip(outs, inner_outputs, strict=False):
             self.set_output(path, outer, self._get(inner))
 
@@ -305,23 +368,42 @@ class Derivation:
                 return PARTIAL
             if x_letter is not None:
                 self._whole(x, path)
-            # the replicated input is sliced locally; its gradient comes back split
+            # The replicated input is sliced locally; its gradient comes back split. (Where
+            # XLA gathers the kernel instead, the gradient of the whole output comes back
+            # split from the layers after it, attention by heads, and is gathered: the same
+            # bytes.)
             if id(x) in self.differentiated:
                 self._add("all-gather", self._bytes(x), f"backward: {path} input gradient")
+            if id(x) in self.ruled and self._kernel_gathered(kernel, y, path):
+                return REPLICATED
+            # An input no rule holds whole, XLA splits as the kernel, slicing back through
+            # the ops before it (attention's output projection: the attention by heads).
             return PARTIAL
         if x_letter is not None:  # split on an output dimension needs the whole input
             self._whole(x, path)
         if id(x) in self.differentiated:
             self._add("all-reduce", self._bytes(x), f"backward: {path} input gradient")
-        out_axes = rule_axes(f"{path}/output", self.rules)
-        if out_axes and _split_dim(out_axes) is REPLICATED:
-            # The output is wanted whole: XLA gathers the smaller of the output and the
-            # kernel (a tied head gathers its table rather than the logits).
-            kernel_bytes = math.prod(kernel.shape) * self.value_bytes
-            what = f"forward: {path} " + ("kernel" if kernel_bytes < self._bytes(y) else "output")
-            self._add("all-gather", min(kernel_bytes, self._bytes(y)), what)
+        if self._kernel_gathered(kernel, y, path):
+            return REPLICATED
+        if self._wanted_whole(path):
+            self._add("all-gather", self._bytes(y), f"forward: {path} output")
             return REPLICATED
         return y_subs.index(letter)
+
+    def _kernel_gathered(self, kernel, y, path: str) -> bool:
+        """Where an output rule wants a split kernel's output whole and the kernel is the
+        smaller, XLA gathers the kernel (a tied head its table) rather than all-reduce or
+        gather the output, and computes the whole output on each device."""
+        kernel_bytes = math.prod(kernel.shape) * self.value_bytes
+        if not self._wanted_whole(path) or kernel_bytes >= self._bytes(y):
+            return False
+        self._add("all-gather", kernel_bytes, f"forward: {path} kernel")
+        return True
+
+    def _wanted_whole(self, path: str) -> bool:
+        """Whether an output rule keeps the layer's output whole over `model`."""
+        axes = rule_axes(f"{path}{ACTIVATION_RULE_SUFFIX}", self.rules)
+        return bool(axes) and _split_dim(axes) is REPLICATED
 
     def _embedding(self, layer, x, y, path: str) -> None:
         if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
