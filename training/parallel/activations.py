@@ -19,12 +19,20 @@ model axis):
   made so far;
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
-  attention);
+  attention); under remat, at each segment the largest of that segment's (the logits' only
+  where the loss is differentiated, not while a block is made again);
 - with a model axis, what XLA's partitioner materialises around the collectives (read from
   XLA:CPU's buffer assignment of the built-in transformer under hybrid 2 × 4): every
   elementwise result on a whole activation (a residual sum after an all-reduce no longer
-  fuses into its consumer) and one copy of each whole activation a contraction reads (a
-  column-split projection's input, reshaped for the partitioned dot).
+  fuses into its consumer) and one copy of each whole activation a partitioned contraction
+  reads (a column-split projection's input, reshaped for the partitioned dot; none where
+  the kernel is gathered instead). A cast to the dtype it has already makes nothing;
+- a whole input that no output rule holds, read by a kernel split on a dimension it
+  contracts, is computed split as that kernel is, and so is each tensor it is made from
+  that has a dimension of that size at that position, back to those a rule holds (kept as
+  their slice): keras-hub's attention between its whole query, key and value projections
+  and the output projection its rules split by heads (read from XLA:CPU's peak breakdown of
+  the tiny Llama under hybrid 2 × 4).
 
 A model without a graph to follow keeps each top-level layer's output.
 """
@@ -51,6 +59,7 @@ class Segment:
     kept: float = 0.0
     recomputed: float = 0.0
     weights: list[str] = field(default_factory=list)
+    largest: float = 0.0  # its largest kept or recomputed tensor's bytes per device
 
 
 @dataclass(frozen=True)
@@ -73,12 +82,12 @@ class Activations:
         through the segments: at each, the bytes kept by it and those before it, its
         recomputation and the workspace, beside the gradients (`gradients`: bytes per
         device by weight path) of the segments after it."""
-        workspace = BACKWARD_WORKSPACE * self.largest
         best = (0.0, 0.0)
         kept_before = list(accumulate(s.kept for s in self.segments))
         made_after = 0.0
         for index in reversed(range(len(self.segments))):
             segment = self.segments[index]
+            workspace = BACKWARD_WORKSPACE * segment.largest
             live = (kept_before[index] + segment.recomputed + workspace, made_after)
             best = max(best, live, key=sum)
             made_after += sum(gradients.get(path, 0.0) for path in segment.weights)
@@ -129,6 +138,10 @@ class _Kept(Derivation):
         self.last_used: dict[str, Segment] = {}  # weight path -> the segment that used it last
         # id of a layer's output -> the tensor its own graph made it from (walked inside)
         self.made_inside: dict[int, object] = {}
+        # id -> a whole tensor XLA splits as a kernel reads it (`_split_as_read`)
+        self.split_as_read: dict[int, object] = {}
+        self.counted_split: set[int] = set()  # of those, the ones counted, now split
+        self.read_whole: dict[int, object] = {}  # id -> an input a gathered kernel reads
 
     def _node(self, node) -> None:
         layer = node.operation
@@ -154,7 +167,7 @@ class _Kept(Derivation):
             self.producer = layer
             super()._node(node)
             self.producer = layer  # inner nodes walked in between
-            self._count(node.outputs)
+            self._count(node)
             if entered:
                 for tensor in node.outputs:
                     self._reclassify(self._made(tensor), recomputed=True)
@@ -183,11 +196,13 @@ class _Kept(Derivation):
             tensor = self.made_inside[id(tensor)]
         return tensor
 
-    def _count(self, tensors) -> None:
+    def _count(self, node) -> None:
         """Record the outputs of the current producer: kept, or (inside a rematerialised
         layer) made again in its backward pass."""
+        if _identity_cast(node):
+            return
         keeps = _keeps_output(self.producer)
-        for tensor in tensors:
+        for tensor in node.outputs:
             whole = self._get(tensor) in (REPLICATED, PARTIAL)
             materialised = self.n > 1 and whole and _leaf(self.producer)
             if keeps or materialised:
@@ -201,6 +216,7 @@ class _Kept(Derivation):
         self.counted[id(tensor)] = (tensor, segment, recomputed)
         size = self._device_bytes(tensor)
         self.largest = max(self.largest, size)
+        segment.largest = max(segment.largest, size)
         if recomputed:
             segment.recomputed += size
         else:
@@ -235,11 +251,68 @@ class _Kept(Derivation):
         """A contraction; with a model axis, the copy XLA makes of a whole input is kept
         too, once per input however many contractions read it."""
         state = super()._einsum(equation, x, kernel, y, path)
-        whole = self._get(x) in (REPLICATED, PARTIAL)
+        partitioned = id(x) not in self.split_as_read and id(x) not in self.read_whole
+        whole = self._get(x) in (REPLICATED, PARTIAL) and partitioned
         if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
             self.copied[id(x)] = x
             self.segments[-1].kept += self._bytes(x)
         return state
+
+    def _kernel_gathered(self, x, kernel, y, path: str) -> bool:
+        """Where the kernel is gathered, the dot is not partitioned: no copy of its input."""
+        gathered = super()._kernel_gathered(x, kernel, y, path)
+        if gathered:
+            self.read_whole[id(x)] = x
+        return gathered
+
+    def _split_as_read(self, x, dim: int) -> None:
+        """XLA splits the input as the kernel that reads it, and back from it each tensor
+        it is made from that has a dimension of that size at that position, up to those an
+        output rule holds (sliced there): attention, between the query, key and value
+        projections and the output projection that splits its heads. Each is counted split,
+        those the rules hold too: what the backward pass keeps of them is the slice."""
+        found = [(x, dim)]
+        while found:
+            tensor, dim = found.pop()
+            if id(tensor) in self.split_as_read:
+                continue
+            self.split_as_read[id(tensor)] = tensor
+            self._count_split(self._made(tensor))
+            if id(tensor) in self.ruled:
+                continue  # kept as sliced: what reads it reads it split
+            for source in _sources(tensor):
+                shape, source_shape = self._shape(tensor), self._shape(source)
+                if len(source_shape) == len(shape) and source_shape[dim] == shape[dim]:
+                    found.append((source, dim))
+
+    def _count_split(self, tensor) -> None:
+        if id(tensor) not in self.counted or id(tensor) in self.counted_split:
+            return
+        _, segment, recomputed = self.counted[id(tensor)]
+        saved = self._device_bytes(tensor) * (1 - 1 / self.n)
+        if recomputed:
+            segment.recomputed -= saved
+        else:
+            segment.kept -= saved
+        self.counted_split.add(id(tensor))
+
+
+def _identity_cast(node) -> bool:
+    """A cast to the dtype its input has already (a Keras loss's to float32 of float32
+    logits): XLA makes nothing."""
+    from keras.src.ops.core import Cast
+
+    if not isinstance(node.operation, Cast):
+        return False
+    return [t.dtype for t in node.input_tensors] == [t.dtype for t in node.outputs]
+
+
+def _sources(tensor) -> list:
+    """The tensors the operation that made `tensor` read."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return []
+    return list(history.operation._inbound_nodes[history.node_index].input_tensors)
 
 
 def _rematerialised(layer) -> bool:

@@ -137,7 +137,9 @@ class Derivation:
         # called twice): a rule from then on, which `output_rules` returns
         self.layer_paths = layer_paths
         self.found_outputs: dict[str, tuple] = {}
-        self.ruled: set[int] = set()  # id(KerasTensor) of the outputs an output rule lays out
+        # id(KerasTensor) -> an output an output rule lays out (held, so that no tensor traced
+        # later reuses its id)
+        self.ruled: dict[int, object] = {}
         self.batch_of_one = False  # walking a layer's own graph traced on a batch of one
         self.state: dict[int, object] = {}  # id(KerasTensor) -> its state
         # id(KerasTensor) -> its shape, where Keras left a length unknown that the inputs give
@@ -198,7 +200,7 @@ class Derivation:
         if not axes:
             axes = self._found_output(layer_path, tensor, state)
         if axes:
-            self.ruled.add(id(tensor))
+            self.ruled[id(tensor)] = tensor
         if axes and _split_dim(axes) != state:
             target, size = _split_dim(axes), self._bytes(tensor)
             if state == PARTIAL:
@@ -307,7 +309,7 @@ class Derivation:
             if id(outer) in self.differentiated:
                 self.differentiated.add(id(inner))
             if id(outer) in self.ruled:
-                self.ruled.add(id(inner))
+                self.ruled[id(inner)] = inner
             if outer.shape and outer.shape[0] is None and inner.shape[:1] == (1,):
                 self.batch_of_one = True  # see layer_graph.call_graph
         for inner_node in inner_nodes:
@@ -374,23 +376,24 @@ class Derivation:
             # bytes.)
             if id(x) in self.differentiated:
                 self._add("all-gather", self._bytes(x), f"backward: {path} input gradient")
-            if id(x) in self.ruled and self._kernel_gathered(kernel, y, path):
-                return REPLICATED
+            if id(x) in self.ruled:
+                return REPLICATED if self._kernel_gathered(x, kernel, y, path) else PARTIAL
             # An input no rule holds whole, XLA splits as the kernel, slicing back through
             # the ops before it (attention's output projection: the attention by heads).
+            self._split_as_read(x, x_subs.index(letter))
             return PARTIAL
         if x_letter is not None:  # split on an output dimension needs the whole input
             self._whole(x, path)
         if id(x) in self.differentiated:
             self._add("all-reduce", self._bytes(x), f"backward: {path} input gradient")
-        if self._kernel_gathered(kernel, y, path):
+        if self._kernel_gathered(x, kernel, y, path):
             return REPLICATED
         if self._wanted_whole(path):
             self._add("all-gather", self._bytes(y), f"forward: {path} output")
             return REPLICATED
         return y_subs.index(letter)
 
-    def _kernel_gathered(self, kernel, y, path: str) -> bool:
+    def _kernel_gathered(self, x, kernel, y, path: str) -> bool:
         """Where an output rule wants a split kernel's output whole and the kernel is the
         smaller, XLA gathers the kernel (a tied head its table) rather than all-reduce or
         gather the output, and computes the whole output on each device."""
@@ -399,6 +402,10 @@ class Derivation:
             return False
         self._add("all-gather", kernel_bytes, f"forward: {path} kernel")
         return True
+
+    def _split_as_read(self, x, dim: int) -> None:
+        """A whole input no rule holds, read by a kernel split on its dimension `dim`: XLA
+        computes it split there (what it sends stays as counted)."""
 
     def _wanted_whole(self, path: str) -> bool:
         """Whether an output rule keeps the layer's output whole over `model`."""
