@@ -19,20 +19,22 @@ model axis):
   made so far;
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
-  attention); under remat, at each segment the largest of that segment's (the logits' only
-  where the loss is differentiated, not while a block is made again);
+  attention);
 - with a model axis, what XLA's partitioner materialises around the collectives (read from
   XLA:CPU's buffer assignment of the built-in transformer under hybrid 2 × 4): every
-  elementwise result on a whole activation (a residual sum after an all-reduce no longer
-  fuses into its consumer) and one copy of each whole activation a partitioned contraction
-  reads (a column-split projection's input, reshaped for the partitioned dot; none where
-  the kernel is gathered instead). A cast to the dtype it has already makes nothing;
+  elementwise result on a whole activation the backward pass differentiates (a residual sum
+  after an all-reduce no longer fuses into its consumer; a mask made from the token ids
+  does) and one copy of each whole activation a partitioned contraction reads (a
+  column-split projection's input, reshaped for the partitioned dot; none where the kernel
+  is gathered instead);
 - a whole input that no output rule holds, read by a kernel split on a dimension it
-  contracts, is computed split as that kernel is, and so is each tensor it is made from
-  that has a dimension of that size at that position, back to those a rule holds (kept as
-  their slice): keras-hub's attention between its whole query, key and value projections
-  and the output projection its rules split by heads (read from XLA:CPU's peak breakdown of
-  the tiny Llama under hybrid 2 × 4).
+  contracts, is computed split as that kernel is, and so is each whole tensor it is made
+  from that has a dimension of that size at that position (matched by position: a
+  limitation), back to those a rule holds (kept as their slice): keras-hub's attention
+  between its whole query, key and value projections and the output projection its rules
+  split by heads (read from XLA:CPU's peak breakdown of the tiny Llama under hybrid 2 × 4);
+- an operation that returns its input (a cast to its own dtype, dropout at rate 0) makes
+  nothing.
 
 A model without a graph to follow keeps each top-level layer's output.
 """
@@ -59,7 +61,6 @@ class Segment:
     kept: float = 0.0
     recomputed: float = 0.0
     weights: list[str] = field(default_factory=list)
-    largest: float = 0.0  # its largest kept or recomputed tensor's bytes per device
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,12 @@ class Activations:
         through the segments: at each, the bytes kept by it and those before it, its
         recomputation and the workspace, beside the gradients (`gradients`: bytes per
         device by weight path) of the segments after it."""
+        workspace = BACKWARD_WORKSPACE * self.largest
         best = (0.0, 0.0)
         kept_before = list(accumulate(s.kept for s in self.segments))
         made_after = 0.0
         for index in reversed(range(len(self.segments))):
             segment = self.segments[index]
-            workspace = BACKWARD_WORKSPACE * segment.largest
             live = (kept_before[index] + segment.recomputed + workspace, made_after)
             best = max(best, live, key=sum)
             made_after += sum(gradients.get(path, 0.0) for path in segment.weights)
@@ -128,8 +129,8 @@ class _Kept(Derivation):
         self.largest = 0.0
         # id -> the tensor (kept alive, so that no later tensor of a layer's graph traced for
         # the walk and then dropped reuses a counted one's id), the segment that made it,
-        # whether it is recomputed there
-        self.counted: dict[int, tuple[object, Segment, bool]] = {}
+        # whether it is recomputed there, its bytes per device as counted
+        self.counted: dict[int, tuple[object, Segment, bool, float]] = {}
         self.copied: dict[int, object] = {}
         self.producer = None  # the operation whose outputs are being recorded
         self.remat_layer: str | None = None  # the outermost rematerialised layer walked
@@ -140,8 +141,8 @@ class _Kept(Derivation):
         self.made_inside: dict[int, object] = {}
         # id -> a whole tensor XLA splits as a kernel reads it (`_split_as_read`)
         self.split_as_read: dict[int, object] = {}
-        self.counted_split: set[int] = set()  # of those, the ones counted, now split
-        self.read_whole: dict[int, object] = {}  # id -> an input a gathered kernel reads
+        self.counted_split: set[int] = set()  # id of a counted tensor (held) counted split
+        self.kernel_was_gathered = False  # by the contraction being walked
 
     def _node(self, node) -> None:
         layer = node.operation
@@ -199,12 +200,15 @@ class _Kept(Derivation):
     def _count(self, node) -> None:
         """Record the outputs of the current producer: kept, or (inside a rematerialised
         layer) made again in its backward pass."""
-        if _identity_cast(node):
+        if _identity(node):
             return
         keeps = _keeps_output(self.producer)
         for tensor in node.outputs:
             whole = self._get(tensor) in (REPLICATED, PARTIAL)
-            materialised = self.n > 1 and whole and _leaf(self.producer)
+            # what no gradient flows through (a mask made from the token ids) fuses into
+            # its readers
+            differentiated = id(tensor) in self.differentiated
+            materialised = self.n > 1 and whole and differentiated and _leaf(self.producer)
             if keeps or materialised:
                 self._record(tensor, self._recomputed())
 
@@ -213,10 +217,9 @@ class _Kept(Derivation):
         if id(tensor) in self.counted:
             return
         segment = self.segments[-1]
-        self.counted[id(tensor)] = (tensor, segment, recomputed)
         size = self._device_bytes(tensor)
+        self.counted[id(tensor)] = (tensor, segment, recomputed, size)
         self.largest = max(self.largest, size)
-        segment.largest = max(segment.largest, size)
         if recomputed:
             segment.recomputed += size
         else:
@@ -229,13 +232,13 @@ class _Kept(Derivation):
         them."""
         if id(tensor) not in self.counted:
             return
-        _, segment, was_recomputed = self.counted[id(tensor)]
+        _, segment, was_recomputed, size = self.counted[id(tensor)]
         if was_recomputed == recomputed:
             return
-        moved = self._device_bytes(tensor) * (1 if recomputed else -1)
+        moved = size * (1 if recomputed else -1)
         segment.kept -= moved
         segment.recomputed += moved
-        self.counted[id(tensor)] = (tensor, segment, recomputed)
+        self.counted[id(tensor)] = (tensor, segment, recomputed, size)
 
     def _device_bytes(self, tensor) -> float:
         whole = self._get(tensor) in (REPLICATED, PARTIAL)
@@ -250,8 +253,9 @@ class _Kept(Derivation):
     def _einsum(self, equation: str, x, kernel, y, path: str):
         """A contraction; with a model axis, the copy XLA makes of a whole input is kept
         too, once per input however many contractions read it."""
+        self.kernel_was_gathered = False
         state = super()._einsum(equation, x, kernel, y, path)
-        partitioned = id(x) not in self.split_as_read and id(x) not in self.read_whole
+        partitioned = not self.kernel_was_gathered and id(x) not in self.split_as_read
         whole = self._get(x) in (REPLICATED, PARTIAL) and partitioned
         if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
             self.copied[id(x)] = x
@@ -260,10 +264,8 @@ class _Kept(Derivation):
 
     def _kernel_gathered(self, x, kernel, y, path: str) -> bool:
         """Where the kernel is gathered, the dot is not partitioned: no copy of its input."""
-        gathered = super()._kernel_gathered(x, kernel, y, path)
-        if gathered:
-            self.read_whole[id(x)] = x
-        return gathered
+        self.kernel_was_gathered = super()._kernel_gathered(x, kernel, y, path)
+        return self.kernel_was_gathered
 
     def _split_as_read(self, x, dim: int) -> None:
         """XLA splits the input as the kernel that reads it, and back from it each tensor
@@ -276,33 +278,40 @@ class _Kept(Derivation):
             tensor, dim = found.pop()
             if id(tensor) in self.split_as_read:
                 continue
-            self.split_as_read[id(tensor)] = tensor
             self._count_split(self._made(tensor))
+            self.split_as_read[id(tensor)] = tensor
             if id(tensor) in self.ruled:
                 continue  # kept as sliced: what reads it reads it split
             for source in _sources(tensor):
                 shape, source_shape = self._shape(tensor), self._shape(source)
-                if len(source_shape) == len(shape) and source_shape[dim] == shape[dim]:
+                whole = self._get(source) in (REPLICATED, PARTIAL)
+                if whole and len(source_shape) == len(shape) and source_shape[dim] == shape[dim]:
                     found.append((source, dim))
 
     def _count_split(self, tensor) -> None:
         if id(tensor) not in self.counted or id(tensor) in self.counted_split:
             return
-        _, segment, recomputed = self.counted[id(tensor)]
-        saved = self._device_bytes(tensor) * (1 - 1 / self.n)
+        self.counted_split.add(id(tensor))
+        _, segment, recomputed, size = self.counted[id(tensor)]
+        saved = size * (1 - 1 / self.n)
         if recomputed:
             segment.recomputed -= saved
         else:
             segment.kept -= saved
-        self.counted_split.add(id(tensor))
+        self.counted[id(tensor)] = (tensor, segment, recomputed, size - saved)
 
 
-def _identity_cast(node) -> bool:
-    """A cast to the dtype its input has already (a Keras loss's to float32 of float32
-    logits): XLA makes nothing."""
+def _identity(node) -> bool:
+    """An operation that returns its input, for which XLA makes nothing: a cast to the dtype
+    its input has already (a Keras loss's to float32 of float32 logits), dropout at rate 0
+    (keras-hub's defaults)."""
+    import keras
     from keras.src.ops.core import Cast
 
-    if not isinstance(node.operation, Cast):
+    operation = node.operation
+    if isinstance(operation, keras.layers.Dropout):
+        return operation.rate == 0
+    if not isinstance(operation, Cast):
         return False
     return [t.dtype for t in node.input_tensors] == [t.dtype for t in node.outputs]
 

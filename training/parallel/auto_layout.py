@@ -103,7 +103,7 @@ class _Chooser(Derivation):
     sight instead of reading it from the rules (which start as the user's overrides)."""
 
     def __init__(self, model, overrides: LayoutRules, n: int):
-        paths = frozenset(layer.path for layer in model._flatten_layers() if layer.path)
+        paths = layer_graph.layer_paths(model)
         super().__init__(overrides, n, examples=1, value_bytes=4, layer_paths=paths)
         self.overrides = set(overrides)
         self.decided: dict[str, tuple] = {}  # path -> axes ((): whole)
@@ -221,13 +221,12 @@ class _Chooser(Derivation):
                 self.rules[re.escape(bias.path)] = self.decided[bias.path]
                 self.reasons[bias.path] = "split with its projection's output"
 
-    # -- activations --------------------------------------------------------------------------
-
     # -- the result ---------------------------------------------------------------------------
 
     def result(self, model) -> AutoLayout:
-        for key, axes in self.found_outputs.items():
-            self.reasons[key] = "its output: batch over data, " + (
+        for pattern, axes in self.found_output_rules().items():
+            self.rules[pattern] = axes
+            self.reasons[_unescaped(pattern)] = "its output: batch over data, " + (
                 "split over model" if "model" in axes else "whole over model"
             )
         names = [v.path for v in model.variables] + [

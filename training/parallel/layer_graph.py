@@ -127,3 +127,8 @@ def expand_ellipsis(equation: str, x_rank: int, y_rank: int) -> str:
     count = x_rank - len(x_subs.replace("...", ""))
     fill = "".join(free[:count])
     return f"{x_subs.replace('...', fill)},{k_subs}->{y_subs.replace('...', fill)}"
+
+
+def layer_paths(model) -> frozenset[str]:
+    """The paths of the model's layers and their sublayers (those Keras gave one)."""
+    return frozenset(layer.path for layer in model._flatten_layers() if layer.path)

@@ -23,11 +23,13 @@ collective that makes an input so, or that its backward pass needs, is counted:
 - an elementwise op between split and replicated values (a hidden-split position table added
   to the activations) is computed split, then gathered: an all-gather of its output;
 - an output rule (`<layer path>/output`) relayouts the layer's output: a partial sum is
-  all-reduced, a split output gathered when the rule keeps it whole. Each layer output the
-  rules leave to XLA gets one holding the state found here (`output_rules`, added to every
-  layout), since XLA left to itself may lay the activations out otherwise (keras-hub's Llama
-  rules: the residual stream split over `model`, gathered before each projection that reads
-  it whole and again for each weight's gradient, 1.5 x the plan);
+  all-reduced, a split output gathered when the rule keeps it whole. Each layer that Keras
+  gave a path (not a Dropout or an Add a layer made without one) and whose output the rules
+  leave to XLA gets one holding the state found here, where every call's output is batched
+  and found in one state (`output_rules`, added to every layout), since XLA left to itself
+  may lay the activations out otherwise (keras-hub's Llama rules: the residual stream split
+  over `model`, gathered before each projection that reads it whole and again for each
+  weight's gradient, 1.5 x the plan);
 - where an output rule wants a split kernel's output whole and the kernel is smaller than
   the output, XLA gathers the kernel instead (a tied head's table; a kernel split on the
   dimension it contracts, whose input a rule holds whole: keras-hub's query, key and value);
@@ -82,18 +84,19 @@ def model_axis_collectives(
 
 def output_rules(model, rules: Rules, mesh_model: int) -> Rules:
     """An output rule (`<layer>/output`: batch over `data`, split or whole over `model`) for
-    each layer whose output `rules` leave to XLA, holding the state this derivation finds
-    for it, so that the compiled step keeps the activations as planned. Left to itself, XLA
+    each layer with a path whose output `rules` leave to XLA, holding the state this
+    derivation finds for it (`Derivation.found_output_rules`), so that the compiled step
+    keeps the activations as planned. Left to itself, XLA
     may lay out the activations between two layers differently (keras-hub's Llama rules: the
     residual stream split over `model`, gathered before each projection that reads it whole
     and again for each weight's gradient), and send more than the plan says."""
     graph = layer_graph.graph(model)
     if mesh_model <= 1 or graph is None:
         return {}
-    paths = frozenset(layer.path for layer in model._flatten_layers() if layer.path)
-    derivation = Derivation(dict(rules), mesh_model, examples=1, value_bytes=4, layer_paths=paths)
+    paths = layer_graph.layer_paths(model)
+    derivation = Derivation(rules, mesh_model, examples=1, value_bytes=4, layer_paths=paths)
     derivation.run(*graph)
-    return {re.escape(key): axes for key, axes in derivation.found_outputs.items()}
+    return derivation.found_output_rules()
 
 
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
@@ -116,9 +119,10 @@ def _split_dim(axes: tuple[str | None, ...]):
 
 class Derivation:
     """The walk of a layer graph that counts the collectives, as the module describes. The
-    layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`, and each
-    output's state is recorded by `set_output`: an automatic layout
-    (`training.parallel.auto_layout`) overrides them to choose the layout as it walks."""
+    layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`: an
+    automatic layout (`training.parallel.auto_layout`) overrides them to choose the layout
+    as it walks. Each output's state is recorded by `set_output`, and for the layers of
+    `layer_paths` the output rules that would hold it (`found_output_rules`)."""
 
     def __init__(
         self,
@@ -132,11 +136,12 @@ class Derivation:
         self.n = n
         self.examples = examples
         self.value_bytes = value_bytes
-        # `<layer>/output` -> the axes the walk found for that output, for each layer of
-        # `layer_paths` whose batched output no rule lays out (the first call's, for a layer
-        # called twice): a rule from then on, which `output_rules` returns
+        # `<layer>/output` -> the axes the walk found for each call's output, for each layer
+        # of `layer_paths` whose output no rule lays out (() for an output not batched)
         self.layer_paths = layer_paths
-        self.found_outputs: dict[str, tuple] = {}
+        self.found_outputs: dict[str, set[tuple]] = {}
+        # id(KerasTensor) -> a tensor made from the model's batched inputs
+        self.batched: dict[int, object] = {}
         # id(KerasTensor) -> an output an output rule lays out (held, so that no tensor traced
         # later reuses its id)
         self.ruled: dict[int, object] = {}
@@ -152,6 +157,7 @@ class Derivation:
     def run(self, inputs, outputs, nodes) -> list[Collective]:
         for tensor in inputs:
             self.state[id(tensor)] = REPLICATED
+            self.batched[id(tensor)] = tensor
         for node in nodes:
             self._node(node)
         for output in outputs:
@@ -197,8 +203,8 @@ class Derivation:
     def set_output(self, layer_path: str, tensor, state) -> None:
         """Record a layer output's state, relaid out by an output rule if one matches."""
         axes = rule_axes(f"{layer_path}{ACTIVATION_RULE_SUFFIX}", self.rules)
-        if not axes:
-            axes = self._found_output(layer_path, tensor, state)
+        if not axes and layer_path in self.layer_paths:
+            self._found_output(layer_path, tensor, state)
         if axes:
             self.ruled[id(tensor)] = tensor
         if axes and _split_dim(axes) != state:
@@ -216,19 +222,32 @@ class Derivation:
             state = target
         self.state[id(tensor)] = state
 
-    def _found_output(self, layer_path: str, tensor, state) -> tuple:
-        """For a layer of `layer_paths` with a batched output: the rule for it holding
-        `state` (a partial sum whole), from now on one of the rules; else ()."""
-        if layer_path not in self.layer_paths:
-            return ()
-        if not tensor.shape or tensor.shape[0] != (1 if self.batch_of_one else None):
-            return ()  # not batched: a table, a mask
-        axes = ["data"] + [None] * (len(tensor.shape) - 1)
-        if state not in (REPLICATED, PARTIAL):
-            axes[state] = "model"
+    def _found_output(self, layer_path: str, tensor, state) -> None:
+        axes = ()
+        if self._batched(tensor):
+            axes = ["data"] + [None] * (len(tensor.shape) - 1)
+            if state not in (REPLICATED, PARTIAL):  # a partial sum is wanted whole
+                axes[state] = "model"
         key = f"{layer_path}{ACTIVATION_RULE_SUFFIX}"
-        self.found_outputs[key] = self.rules[re.escape(key)] = tuple(axes)
-        return tuple(axes)
+        self.found_outputs.setdefault(key, set()).add(tuple(axes))
+
+    def _batched(self, tensor) -> bool:
+        """Whether the tensor's first dimension is the batch (a table's or a mask's is not)."""
+        if not tensor.shape:
+            return False
+        if self.batch_of_one and tensor.shape[0] == 1:
+            return id(tensor) in self.batched
+        return tensor.shape[0] is None
+
+    def found_output_rules(self) -> Rules:
+        """An output rule for each layer of `layer_paths` whose every call's output is
+        batched and found in one state. (Keras lays out each output of each call of a layer
+        by its one rule: a tied embedding, a lookup and then the output head, gets none.)"""
+        return {
+            re.escape(key): next(iter(found))
+            for key, found in self.found_outputs.items()
+            if len(found) == 1 and () not in found
+        }
 
     # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
 
@@ -260,6 +279,8 @@ class Derivation:
             id(t) in self.differentiated for t in ins
         ):
             self.differentiated.update(id(t) for t in outs)
+        if any(id(t) in self.batched for t in ins):
+            self.batched.update((id(t), t) for t in outs)
         path = getattr(layer, "path", None) or layer.name
         self._resolve_shapes(layer, ins, outs)
         if isinstance(layer, keras.layers.MultiHeadAttention):
@@ -310,6 +331,8 @@ class Derivation:
                 self.differentiated.add(id(inner))
             if id(outer) in self.ruled:
                 self.ruled[id(inner)] = inner
+            if id(outer) in self.batched:
+                self.batched[id(inner)] = inner
             if outer.shape and outer.shape[0] is None and inner.shape[:1] == (1,):
                 self.batch_of_one = True  # see layer_graph.call_graph
         for inner_node in inner_nodes:
@@ -378,9 +401,11 @@ class Derivation:
                 self._add("all-gather", self._bytes(x), f"backward: {path} input gradient")
             if id(x) in self.ruled:
                 return REPLICATED if self._kernel_gathered(x, kernel, y, path) else PARTIAL
-            # An input no rule holds whole, XLA splits as the kernel, slicing back through
-            # the ops before it (attention's output projection: the attention by heads).
-            self._split_as_read(x, x_subs.index(letter))
+            if x_letter is None:
+                # An input no rule holds whole, XLA splits as the kernel, slicing back
+                # through the ops before it (attention's output projection: the attention
+                # by heads).
+                self._split_as_read(x, x_subs.index(letter))
             return PARTIAL
         if x_letter is not None:  # split on an output dimension needs the whole input
             self._whole(x, path)
