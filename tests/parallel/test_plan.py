@@ -185,6 +185,7 @@ MEMORY = {
     "transformer-hybrid-full": ("hybrid", MeshShape(2, 4), [*TRANSFORMER, "trainer.remat=full"]),
     # keras-hub's rules: XLA runs the attention split by heads between whole projections
     "llama-hybrid": ("hybrid", MeshShape(2, 4), LLAMA),
+    "llama-hybrid-full": ("hybrid", MeshShape(2, 4), [*LLAMA, "trainer.remat=full"]),
 }
 
 

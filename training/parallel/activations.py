@@ -8,12 +8,14 @@ model axis):
   though XLA keeps some (GELU's, a norm's): `training.parallel.costs` says how the plan
   stands in for them without remat;
 - under `trainer.remat`, a rematerialised layer keeps its inputs (what `jax.checkpoint`
-  saves); what it makes inside, its outputs too, is made again while its backward pass runs,
-  all of it live at once; under `trainer.remat=dots` the projections' outputs inside it are
-  kept; a contraction or norm outside them keeps what it reads from them. The backward pass
-  runs from the last such layer to the first (`Activations.backward_peak`): at each, what
-  the layers before it keep, what it recomputes and the gradients of the weights the layers
-  after it use are live at once. Read from XLA:CPU's peak breakdown (`--xla_dump_to`,
+  saves); what it makes inside is made again while its backward pass runs, all of it live at
+  once, with the gradient arriving at its outputs; its outputs themselves only where a layer
+  after it keeps them (its own backward pass reads none: XLA drops that recomputation);
+  under `trainer.remat=dots` the projections' outputs inside it are kept; a contraction or
+  norm outside them keeps what it reads from them. The backward pass runs from the last such
+  layer to the first (`Activations.backward_peak`): at each, what the layers before it keep,
+  what it recomputes and the gradients of the weights the layers after it use are live at
+  once. Read from XLA:CPU's peak breakdown (`--xla_dump_to`,
   `*live-range.txt`) of the built-in transformer: its peak is in the last block's attention,
   beside the residual sums and norm outputs the earlier blocks saved and the few gradients
   made so far;
@@ -61,6 +63,7 @@ class Segment:
     kept: float = 0.0
     recomputed: float = 0.0
     weights: list[str] = field(default_factory=list)
+    arriving_gradients: float = 0.0  # a rematerialised layer's outputs' gradients
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Activations:
         made_after = 0.0
         for index in reversed(range(len(self.segments))):
             segment = self.segments[index]
-            live = (kept_before[index] + segment.recomputed + workspace, made_after)
+            activations = segment.recomputed + segment.arriving_gradients + workspace
+            live = (kept_before[index] + activations, made_after)
             best = max(best, live, key=sum)
             made_after += sum(gradients.get(path, 0.0) for path in segment.weights)
         return best
@@ -104,6 +108,7 @@ def activation_bytes(
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
     walk = _Kept(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
+    walk.settle_remat_outputs()
     segments = tuple(walk.segments)
     return Activations(sum(s.kept for s in segments), walk.largest, segments)
 
@@ -143,6 +148,8 @@ class _Kept(Derivation):
         self.split_as_read: dict[int, object] = {}
         self.counted_split: set[int] = set()  # id of a counted tensor (held) counted split
         self.kernel_was_gathered = False  # by the contraction being walked
+        # each rematerialised layer's segment and outputs (see `settle_remat_outputs`)
+        self.remat_outputs: list[tuple[Segment, list]] = []
 
     def _node(self, node) -> None:
         layer = node.operation
@@ -172,10 +179,27 @@ class _Kept(Derivation):
             if entered:
                 for tensor in node.outputs:
                     self._reclassify(self._made(tensor), recomputed=True)
+                self.remat_outputs.append(
+                    (self.segments[-1], [self._made(t) for t in node.outputs])
+                )
         finally:
             self.remat_layer = outer
             if entered:
                 self.segments.append(Segment())
+
+    def settle_remat_outputs(self) -> None:
+        """Once the walk is over: a rematerialised layer's outputs that nothing after it
+        keeps are not made again (its backward pass does not read them, and XLA drops the
+        dead recomputation); the gradient arriving at them is live instead, beside what it
+        makes again."""
+        for segment, outputs in self.remat_outputs:
+            for tensor in outputs:
+                size = self._device_bytes(tensor)
+                entry = self.counted.get(id(tensor))
+                if entry is not None and entry[1] is segment and entry[2]:
+                    segment.recomputed -= entry[3]
+                    self.counted[id(tensor)] = (*entry[:3], 0.0)
+                segment.arriving_gradients += size
 
     def _use_weights(self, layer) -> None:
         """The layer (its sublayers too) uses its trainable weights: the latest use so far."""
