@@ -29,11 +29,17 @@ FORBIDDEN = {
     "training.events": ("training.host", "training.driver"),
     "training.contracts": ("training.models", "training.data", "training.host", "training.driver"),
     "training.config": ("training.models", "training.data", "training.host", "training.driver"),
-    # This machine's GPUs, read by the config as it settles a local cluster.
+    # This machine's GPUs and TPU chips, read by the config as it settles a local cluster.
     "training.gpus": ("training.config", "training.host", "training.driver"),
+    "training.tpus": ("training.config", "training.host", "training.driver"),
 }
-# The one host module the driver may import: the actor class it places on each host.
-DRIVER_MAY_IMPORT_FROM_HOST = ("training.host.actor",)
+# The host modules the driver may import: the host it places (a Ray actor, or the host in
+# its own process) and the environment it starts a host with.
+DRIVER_MAY_IMPORT_FROM_HOST = (
+    "training.host.actor",
+    "training.host.in_process",
+    "training.host.environment",
+)
 
 
 def module_name(path: Path) -> str:

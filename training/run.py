@@ -36,9 +36,7 @@ from training.config import (  # noqa: E402
     to_run_config,
     with_open_dicts,
 )
-from training.driver import standby_hosts  # noqa: E402
 from training.driver.checked import check_sizes, with_layout  # noqa: E402
-from training.driver.cluster import ray_session, sized_to_cluster  # noqa: E402
 from training.driver.display import (  # noqa: E402
     ProgressDisplay,
     print_layout,
@@ -46,7 +44,7 @@ from training.driver.display import (  # noqa: E402
     print_summary,
 )
 from training.driver.failures import HostFailure  # noqa: E402
-from training.driver.placement import HostGroup, host_environments  # noqa: E402
+from training.driver.hosts import hosts_reachable, request_hosts, sized_to_cluster  # noqa: E402
 from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
@@ -65,7 +63,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         # (the data, the model built abstractly) run while the hosts' actors start in their
         # own processes and import their libraries; a failed check stops them.
         # Room for a spare group of hosts where the run may restart (training/driver/restarts).
-        with ray_session(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
+        with hosts_reachable(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
             if joined:
                 console.print(joined, highlight=False, soft_wrap=True)
             # On an instance the user keeps, the next run finds its hosts started.
@@ -92,7 +90,7 @@ def checked_and_run(
     cfg: RunConfig, output_dir: Path, console: Console, claim_standby: bool
 ) -> tuple[dict, bool]:
     """The run's summary, and whether it trained (not when an earlier run left nothing to)."""
-    hosts = HostGroup.request(cfg.cluster, cfg.fault.startup_timeout_s, claim_standby)
+    hosts = request_hosts(cfg.cluster, cfg.fault.startup_timeout_s, claim_standby)
     if hosts.from_standby:
         console.print(
             f"ray: {hosts.from_standby} of {cfg.cluster.hosts} hosts taken from standby "
@@ -124,6 +122,9 @@ def checked_and_run(
 def leave_standby_hosts(cluster: LocalClusterConfig, leave: bool, console: Console) -> None:
     """Replace the standby hosts on the instance by this run's (none unless `leave`). Best
     effort: the run's own outcome stands whatever happens here."""
+    from training.driver import standby_hosts
+    from training.driver.placement import host_environments
+
     try:
         standby_hosts.leave(
             cluster.hosts, cluster.platform, host_environments(cluster) if leave else []

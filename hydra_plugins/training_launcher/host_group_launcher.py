@@ -11,6 +11,10 @@ Each trial keeps its checkpoints in its own subdirectory of `checkpoint.dir`, na
 the values the sweep gives it (`trial_checkpoint_id`), so trials never share or resume from
 each other's checkpoints, and the same sweep run again resumes each trial from its own.
 
+With `cluster=inprocess` there is no Ray: the trials run one after another in the sweep's
+own process (each its host in that process, as Hydra's basic launcher runs jobs), so they
+never contend for one machine's accelerator.
+
 Each finished trial adds its row to sweep_summary.json/.csv in the sweep directory; the
 table is printed when the batch ends. Failed trials are reported to Hydra as failed jobs,
 so a sweep with a failed trial exits non-zero.
@@ -31,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
@@ -47,12 +50,9 @@ from hydra.errors import CompactHydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
-from ray.exceptions import RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 
-from training.config import ConfigError
-from training.driver.cluster import connect_ray
+from training.config import IN_PROCESS, ConfigError
 from training.driver.sweep import print_results, read_summary, trial_row, write_results
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,11 @@ class Trial:
     submitted_at: float = 0.0
 
 
-@ray.remote(num_cpus=0, max_retries=0)
 def _run_trial(
     hydra_context: HydraContext, config: DictConfig, task_function: TaskFunction, state
 ) -> JobReturn:
-    """One trial, in a process of its own, run as Hydra's basic launcher runs a job."""
+    """One trial, run as Hydra's basic launcher runs a job (in a Ray task's process of its
+    own, or in the sweep's process for an in-process sweep)."""
     setup_globals()
     Singleton.set_state(state)
     os.chdir(config.hydra.runtime.cwd)
@@ -172,19 +172,12 @@ class HostGroupLauncher(Launcher):
             self._trial(initial_job_idx + i, list(overrides), sweep_dir)
             for i, overrides in enumerate(job_overrides)
         ]
-        if not sys.stdout.isatty():
-            # A log or a pipe: Ray's "(trial N pid=...)" prefix without colour codes.
-            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-        try:
-            connect_ray(cluster)
-        except ConfigError as error:  # an address that answers no Ray cluster
-            raise SweepFailed(f"error: {error}") from None
-        log.info(
-            f"Launching {len(trials)} trials, at most {settings.max_concurrent} at once, "
-            f"into {sweep_dir}"
-        )
         self.settings = settings
-        returns = self._run(trials, settings.max_concurrent, sweep_dir)
+        if cluster.name == IN_PROCESS:
+            log.info(f"Launching {len(trials)} trials, one at a time, into {sweep_dir}")
+            returns = {trial.number: self._run_here(trial, sweep_dir) for trial in trials}
+        else:
+            returns = self._run_on_ray(trials, cluster, settings.max_concurrent, sweep_dir)
         self._report(trials, returns, sweep_dir)
         return [returns[trial.number] for trial in trials]
 
@@ -219,8 +212,38 @@ class HostGroupLauncher(Launcher):
             name = f"{name}-trial_{number}"
         config.checkpoint.dir = f"{str(directory).rstrip('/')}/{name}"
 
-    def _run(self, trials: list[Trial], max_concurrent: int, sweep_dir: Path) -> dict:
-        """Keep up to `max_concurrent` trials running; record each as it ends."""
+    def _run_here(self, trial: Trial, sweep_dir: Path) -> JobReturn:
+        """One trial of an in-process sweep, in this process."""
+        trial.submitted_at = time.time()
+        state = Singleton.get_state()
+        try:
+            job_return = _run_trial(self.hydra_context, trial.config, self.task_function, state)
+        finally:
+            Singleton.set_state(state)  # the trial's job settings are not the sweep's
+        return self._finish(trial, job_return, sweep_dir)
+
+    def _run_on_ray(
+        self, trials: list[Trial], cluster, max_concurrent: int, sweep_dir: Path
+    ) -> dict:
+        """Keep up to `max_concurrent` trials running, each in a Ray task's process of its
+        own on this node; record each as it ends."""
+        import ray
+        from ray.exceptions import RayError
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from training.driver.cluster import connect_ray
+
+        if not sys.stdout.isatty():
+            # A log or a pipe: Ray's "(trial N pid=...)" prefix without colour codes.
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        try:
+            connect_ray(cluster)
+        except ConfigError as error:  # an address that answers no Ray cluster
+            raise SweepFailed(f"error: {error}") from None
+        log.info(
+            f"Launching {len(trials)} trials, at most {max_concurrent} at once, into {sweep_dir}"
+        )
+        run_trial = ray.remote(num_cpus=0, max_retries=0)(_run_trial)
         context, state = ray.put(self.hydra_context), ray.put(Singleton.get_state())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         waiting, running, returns = deque(trials), {}, {}
@@ -230,13 +253,18 @@ class HostGroupLauncher(Launcher):
                     trial = waiting.popleft()
                     trial.submitted_at = time.time()
                     options = {"name": f"trial {trial.number}", "scheduling_strategy": here}
-                    ref = _run_trial.options(**options).remote(
+                    ref = run_trial.options(**options).remote(
                         context, trial.config, self.task_function, state
                     )
                     running[ref] = trial
                 [ref], _ = ray.wait(list(running), num_returns=1)
                 trial = running.pop(ref)
-                returns[trial.number] = self._finish(trial, ref, sweep_dir)
+                try:
+                    job_return = ray.get(ref)
+                except RayError as error:  # the trial's process died: Hydra could not report it
+                    job_return = JobReturn(overrides=trial.overrides, status=JobStatus.FAILED)
+                    job_return.return_value = error
+                returns[trial.number] = self._finish(trial, job_return, sweep_dir)
         except KeyboardInterrupt:
             # Stop the running trials; their host actors die with their processes.
             for ref in running:
@@ -248,12 +276,7 @@ class HostGroupLauncher(Launcher):
             ) from None
         return returns
 
-    def _finish(self, trial: Trial, ref, sweep_dir: Path) -> JobReturn:
-        try:
-            job_return = ray.get(ref)
-        except RayError as error:  # the trial's process died: Hydra could not report it
-            job_return = JobReturn(overrides=trial.overrides, status=JobStatus.FAILED)
-            job_return.return_value = error
+    def _finish(self, trial: Trial, job_return: JobReturn, sweep_dir: Path) -> JobReturn:
         error = None
         if job_return.status != JobStatus.COMPLETED:
             # A failed job holds its exception here; the public getter raises it.

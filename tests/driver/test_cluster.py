@@ -25,7 +25,7 @@ from examples import make_data
 from tests.conftest import FAST, run_config
 from training.config import ConfigError, RayClusterConfig
 from training.driver.cluster import Node, host_bundle, join_running, sized_from_nodes
-from training.host.actor import host_environment
+from training.host.environment import host_environment
 from training.run import run_training
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from training import gpus as gpus_module
 from training.config import ConfigError, LocalClusterConfig, host_gpus, resolve_local
 from training.driver.cluster import host_bundles
 from training.gpus import Gpu, parse_nvidia_smi, visible
-from training.host.actor import host_environment
+from training.host.environment import host_environment
 
 SMI = "\n".join(
     f"{i}, GPU-{i:04d}, NVIDIA H100 80GB HBM3, 81559" for i in range(8)
@@ -97,8 +97,10 @@ def test_without_gpus_the_cpu_simulation_stays_the_default():
         resolve_local(local(platform="gpu"), [])
     with pytest.raises(ConfigError, match="chooses GPUs, but cluster.platform=cpu"):
         local(platform="cpu", gpus=[0])
-    with pytest.raises(ConfigError, match="cluster.platform='tpu' is not one of auto, cpu, gpu"):
-        local(platform="tpu")
+    with pytest.raises(
+        ConfigError, match="cluster.platform='xpu' is not one of auto, cpu, gpu, tpu"
+    ):
+        local(platform="xpu")
 
 
 def test_composed_config_is_settled_for_the_machine(monkeypatch):

@@ -19,10 +19,13 @@ from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 from training.config.checkpoint import CheckpointConfig, url_scheme
 from training.config.cluster import (
     CPU_HOSTS,
+    IN_PROCESS,
     ClusterConfig,
+    InProcessClusterConfig,
     LocalClusterConfig,
     RayClusterConfig,
     host_gpus,
+    resolve_in_process,
     resolve_local,
 )
 from training.config.common import AUTO, ConfigError, require
@@ -50,6 +53,7 @@ from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyC
 from training.config.sweep import SweepConfig
 from training.config.trainer import TrainerConfig
 from training.gpus import discover_gpus
+from training.tpus import count_tpu_chips
 
 __all__ = [
     "AUTO",
@@ -67,6 +71,8 @@ __all__ = [
     "ExportConfig",
     "FaultConfig",
     "HubModelConfig",
+    "IN_PROCESS",
+    "InProcessClusterConfig",
     "JsonlDataConfig",
     "LocalClusterConfig",
     "MeshConfig",
@@ -148,7 +154,11 @@ SCHEMAS = {
         "jsonl": JsonlDataConfig,
     },
     "optimizer": OPTIMIZERS,
-    "cluster": {"local": LocalClusterConfig, "ray": RayClusterConfig},
+    "cluster": {
+        "local": LocalClusterConfig,
+        "ray": RayClusterConfig,
+        IN_PROCESS: InProcessClusterConfig,
+    },
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
 }
@@ -182,12 +192,22 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 
 def settled_for_this_machine(run: RunConfig) -> RunConfig:
-    """A local cluster's platform, hosts and devices settled for this machine's GPUs."""
-    if not isinstance(run.cluster, LocalClusterConfig):
-        return run
+    """A local or in-process cluster's platform, hosts and devices settled for this
+    machine's TPU chips or GPUs."""
     cluster = run.cluster
-    found = discover_gpus() if cluster.platform != "cpu" else []
-    return replace(run, cluster=resolve_local(cluster, found))
+    resolve = {LocalClusterConfig: resolve_local, InProcessClusterConfig: resolve_in_process}
+    if type(cluster) not in resolve:
+        return run
+    gpus = discover_gpus() if cluster.platform in ("auto", "gpu") else []
+    chips = count_tpu_chips() if cluster.platform in ("auto", "tpu") else 0
+    settled = resolve[type(cluster)](cluster, gpus, chips)
+    require(
+        run.fault.max_restarts == 0 or not isinstance(settled, InProcessClusterConfig),
+        f"fault.max_restarts={run.fault.max_restarts}: with cluster=inprocess the host is the "
+        "driver's own process, and a lost host is the driver lost; restarts need cluster=local "
+        "or cluster=ray",
+    )
+    return replace(run, cluster=settled)
 
 
 def settled_export(run: RunConfig, output_dir: str) -> RunConfig:
@@ -196,7 +216,7 @@ def settled_export(run: RunConfig, output_dir: str) -> RunConfig:
     export = run.export
     if not export.enabled or export.dir:
         return run
-    if isinstance(run.cluster, LocalClusterConfig):
+    if isinstance(run.cluster, LocalClusterConfig | InProcessClusterConfig):
         directory = output_dir
     elif run.checkpoint.enabled and url_scheme(run.checkpoint.dir) is None:
         directory = run.checkpoint.dir

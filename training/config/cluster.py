@@ -7,9 +7,12 @@ from typing import ClassVar, List, Optional
 
 from training.config.common import AUTO, ConfigError, require, require_size_or_auto
 from training.gpus import Gpu, describe_gpus
+from training.tpus import split_chips
 
-LOCAL_PLATFORMS = ("auto", "cpu", "gpu")
+LOCAL_PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+RAY_PLATFORMS = ("cpu", "gpu", "tpu")
 CPU_HOSTS, CPU_DEVICES_PER_HOST = 2, 4  # the CPU simulation's default shape
+IN_PROCESS = "inprocess"
 
 
 @dataclass
@@ -18,9 +21,9 @@ class LocalClusterConfig:
     room): its GPUs, or simulated CPU hosts.
 
     Settled for the machine by `resolve_local` when the config is converted
-    (`to_run_config`): `platform` auto becomes gpu where nvidia-smi lists GPUs, else cpu;
-    hosts and devices_per_host of -1 become 1 host holding every GPU taking part, or on CPU
-    2 hosts × 4 simulated devices."""
+    (`to_run_config`): `platform` auto becomes tpu where the machine has TPU chips, gpu where
+    nvidia-smi lists GPUs, else cpu; hosts and devices_per_host of -1 become 1 host holding
+    every chip or GPU taking part, or on CPU 2 hosts × 4 simulated devices."""
 
     name: str = "local"
     hosts: int = AUTO
@@ -76,7 +79,10 @@ class RayClusterConfig:
     """An existing Ray cluster, reached by address; one host actor per node.
 
     `hosts` and `devices_per_host` of -1 are read from the cluster when the run starts: the
-    nodes that are hosts (with GPUs, or carrying `host_resource`) and their devices each."""
+    nodes that are hosts (with GPUs or TPU chips, or carrying `host_resource`) and their
+    devices each. On TPU, `tpu_topology` and `tpu_version` name a slice of several TPU VMs,
+    reserved whole (Ray's `ray.util.tpu.slice_placement_group`: the slice's head resource,
+    then one host per VM of that slice); without them each host is a TPU VM of its own."""
 
     name: str = "ray"
     address: str = "auto"
@@ -87,6 +93,9 @@ class RayClusterConfig:
     # '{"training_host": 1}'`); unset, every node with GPUs (platform=gpu) is a host.
     host_resource: Optional[str] = None
     placement_timeout_s: float = 120.0
+    # A multi-host TPU slice, e.g. 4x4 of v5e (four VMs of 4 chips); empty: none.
+    tpu_topology: str = ""
+    tpu_version: str = ""
 
     def __post_init__(self) -> None:
         require_size_or_auto(
@@ -95,19 +104,81 @@ class RayClusterConfig:
             ("hosts", "devices_per_host"),
             "use a positive number, or -1 to read it from the cluster",
         )
-        require(self.platform in ("cpu", "gpu"), "cluster.platform must be 'cpu' or 'gpu'")
+        require(
+            self.platform in RAY_PLATFORMS,
+            f"cluster.platform={self.platform!r} is not one of {', '.join(RAY_PLATFORMS)}",
+        )
         require(self.host_resource != "", "cluster.host_resource must be a resource name or null")
+        require(
+            bool(self.tpu_topology) == bool(self.tpu_version),
+            "cluster.tpu_topology and cluster.tpu_version name a TPU slice together (e.g. "
+            "cluster.tpu_topology=4x4 cluster.tpu_version=v5e); give both or neither",
+        )
+        require(
+            not self.tpu_topology or self.platform == "tpu",
+            f"cluster.tpu_topology={self.tpu_topology} names a TPU slice, but "
+            f"cluster.platform={self.platform}",
+        )
 
 
-ClusterConfig = LocalClusterConfig | RayClusterConfig
+@dataclass
+class InProcessClusterConfig:
+    """One host in the driver's own process, no Ray: for a debugger, a notebook, or a
+    machine where Ray is not wanted or cannot listen. The same checks, supervision, events,
+    checkpoints, export and summary as a Ray run; a lost host is the driver lost, so there
+    are no restarts.
+
+    Its devices are this machine's, settled by `resolve_in_process`: `platform` auto becomes
+    tpu where the machine has TPU chips, gpu where nvidia-smi lists GPUs, else cpu;
+    `devices_per_host` -1 becomes every chip or GPU the process sees, or on CPU 8 simulated
+    devices (the local default's 2 hosts × 4, in one process)."""
+
+    name: str = IN_PROCESS
+    platform: str = "auto"
+    devices_per_host: int = AUTO
+    hosts: int = 1
+    # Not settable: nothing is placed, nothing is claimed.
+    host_resource: ClassVar[Optional[str]] = None
+    placement_timeout_s: ClassVar[float] = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.hosts == 1,
+            f"cluster.hosts={self.hosts}: cluster=inprocess runs one host, in the driver's own "
+            "process; cluster=local runs several",
+        )
+        require_size_or_auto(
+            self, "cluster", ("devices_per_host",), "use a positive number, or -1 to derive it"
+        )
+        require(
+            self.platform in LOCAL_PLATFORMS,
+            f"cluster.platform={self.platform!r} is not one of {', '.join(LOCAL_PLATFORMS)}",
+        )
 
 
-def resolve_local(cluster: LocalClusterConfig, found: list[Gpu]) -> LocalClusterConfig:
+ClusterConfig = LocalClusterConfig | RayClusterConfig | InProcessClusterConfig
+
+
+def machine_platform(platform: str, gpus: list[Gpu], tpu_chips: int, gpus_chosen=None) -> str:
+    """`cluster.platform` settled: auto is tpu where the machine has TPU chips, gpu where it
+    has GPUs (or the run chooses some), else cpu."""
+    if platform != "auto":
+        return platform
+    if tpu_chips:
+        return "tpu"
+    return "gpu" if gpus or gpus_chosen is not None else "cpu"
+
+
+def resolve_local(
+    cluster: LocalClusterConfig, found: list[Gpu], tpu_chips: int = 0
+) -> LocalClusterConfig:
     """`cluster` with its platform, hosts, devices per host and GPUs settled for this machine,
-    whose GPUs are `found`. Idempotent: a settled config comes back unchanged."""
-    platform = cluster.platform
-    if platform == "auto":
-        platform = "gpu" if found or cluster.gpus is not None else "cpu"
+    whose GPUs are `found` and TPU chips `tpu_chips`. Idempotent: a settled config comes back
+    unchanged."""
+    platform = machine_platform(cluster.platform, found, tpu_chips, cluster.gpus)
+    if platform == "tpu":
+        hosts, per_host = _tpu_shape(cluster.hosts, cluster.devices_per_host, tpu_chips)
+        return replace(cluster, platform="tpu", hosts=hosts, devices_per_host=per_host)
     if platform == "cpu":
         return replace(
             cluster,
@@ -120,10 +191,7 @@ def resolve_local(cluster: LocalClusterConfig, found: list[Gpu]) -> LocalCluster
             ),
         )
     if not found:
-        raise ConfigError(
-            "cluster.platform=gpu, but this machine has no NVIDIA GPU that nvidia-smi lists "
-            "(or CUDA_VISIBLE_DEVICES hides them all); cluster.platform=cpu simulates CPU hosts"
-        )
+        raise ConfigError(_missing_devices("gpu"))
     indices = [g.index for g in found]
     chosen = list(cluster.gpus) if cluster.gpus is not None else indices
     missing = [i for i in chosen if i not in indices]
@@ -134,6 +202,61 @@ def resolve_local(cluster: LocalClusterConfig, found: list[Gpu]) -> LocalCluster
         )
     hosts, per_host = _shape(cluster.hosts, cluster.devices_per_host, chosen)
     return replace(cluster, platform="gpu", gpus=chosen, hosts=hosts, devices_per_host=per_host)
+
+
+def resolve_in_process(
+    cluster: InProcessClusterConfig, found: list[Gpu], tpu_chips: int = 0
+) -> InProcessClusterConfig:
+    """`cluster` with its platform and devices settled for this machine (GPUs `found`, TPU
+    chips `tpu_chips`). Idempotent."""
+    platform = machine_platform(cluster.platform, found, tpu_chips)
+    available = {
+        "tpu": tpu_chips,
+        "gpu": len(found),
+        "cpu": CPU_HOSTS * CPU_DEVICES_PER_HOST,
+    }[platform]
+    if platform != "cpu" and not available:
+        raise ConfigError(_missing_devices(platform))
+    per_host = cluster.devices_per_host
+    if platform != "cpu" and per_host not in (AUTO, available):
+        raise ConfigError(
+            f"cluster.devices_per_host={per_host}, but the process sees {available} "
+            f"{platform.upper()} device(s) and takes them all (narrow them before the run: "
+            "CUDA_VISIBLE_DEVICES, TPU_VISIBLE_CHIPS)"
+        )
+    return replace(
+        cluster, platform=platform, devices_per_host=available if per_host == AUTO else per_host
+    )
+
+
+def _missing_devices(platform: str) -> str:
+    if platform == "tpu":
+        return (
+            "cluster.platform=tpu, but this machine has no TPU chip (no /dev/accel*, no TPU "
+            "under /dev/vfio); cluster.platform=cpu simulates CPU devices"
+        )
+    return (
+        "cluster.platform=gpu, but this machine has no NVIDIA GPU that nvidia-smi lists "
+        "(or CUDA_VISIBLE_DEVICES hides them all); cluster.platform=cpu simulates CPU hosts"
+    )
+
+
+def _tpu_shape(hosts: int, per_host: int, chips: int) -> tuple[int, int]:
+    """Hosts × chips each = the machine's chips, 1 host by default; what is -1 is derived."""
+    if not chips:
+        raise ConfigError(_missing_devices("tpu"))
+    if hosts == AUTO:
+        hosts = 1 if per_host == AUTO else chips // per_host
+    if per_host == AUTO:
+        per_host = chips // hosts
+    if hosts * per_host != chips:
+        raise ConfigError(
+            f"cluster.hosts={hosts} × cluster.devices_per_host={per_host} TPU chips is not "
+            f"this machine's {chips}; give one of them (-1) to derive it"
+        )
+    if why := split_chips(chips, hosts):
+        raise ConfigError(f"cluster.hosts={hosts}: {why}")
+    return hosts, per_host
 
 
 def _shape(hosts: int, per_host: int, gpus: list[int]) -> tuple[int, int]:

@@ -157,7 +157,7 @@ def is_auto_sized(cluster: ClusterConfig) -> bool:
 
 
 @contextmanager
-def sized_to_cluster(cfg: RunConfig) -> Iterator[RunConfig]:
+def sized_to_ray_cluster(cfg: RunConfig) -> Iterator[RunConfig]:
     """`cfg` with auto host and device counts read from the cluster, connected meanwhile.
 
     A config that gives both counts is checked before any connection, so bad input fails

@@ -18,10 +18,13 @@ def describe_host(identity: dict) -> str:
     placed = zip(identity["local_devices"], identity["mesh_coordinates"], strict=True)
     devices = ", ".join(f"{device} at ({data},{model})" for device, (data, model) in placed)
     rows = identity["rows"]
+    # A Ray actor's node; none for the host in the driver's own process (cluster=inprocess).
+    node_id = identity["node_id"]
+    node = f"{identity['node_ip']}, node {node_id[:12]}, " if node_id else ""
     return (
-        f"host {identity['host']} on {identity['hostname']} ({identity['node_ip']}, "
-        f"node {identity['node_id'][:12]}, pid {identity['pid']}): devices {devices} "
-        f"of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}{_gpus(identity)}"
+        f"host {identity['host']} on {identity['hostname']} ({node}pid {identity['pid']}): "
+        f"devices {devices} of the (data,model) mesh; batch rows {rows[0]}:{rows[1]}"
+        f"{_gpus(identity)}"
     )
 
 

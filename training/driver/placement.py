@@ -1,6 +1,7 @@
-"""Where the hosts run: a host group is one actor per host, gang-scheduled through a Ray
-placement group, requested early, waited for in the queue of this job's groups, and shut
-down with every process it started on this node gone."""
+"""Where the hosts run on Ray: a host group is one actor per host, gang-scheduled through a
+Ray placement group, requested early, waited for in the queue of this job's groups, and shut
+down with every process it started on this node gone. The supervisor sees it as any
+`training.driver.hosts.HostGroup`."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import (
     placement_group,
     placement_group_table,
     remove_placement_group,
 )
+from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from training.config import ClusterConfig, ConfigError, host_gpus
+from training.config import ClusterConfig, ConfigError, RunConfig, host_gpus
 from training.driver import standby_hosts
 from training.driver.cluster import (
     alive_nodes,
@@ -28,16 +32,24 @@ from training.driver.cluster import (
     host_bundles,
     placement_strategy,
 )
+from training.driver.failures import FailedHost, HostFailure, describe_raised
+from training.events import FromHost
 from training.gpus import RESOURCE_PREFIX
-from training.host.actor import HostActor, host_environment, process_running
+from training.host.actor import HostActor, process_running
+from training.host.environment import host_environment
+from training.parallel.mesh import MeshShape
 
 PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
 QUEUE_POLL_SECONDS = 1.0
 HOST_GROUP_PREFIX = "training-hosts"
+# After a peer's error, how long to wait for the death that caused it; after a death, for
+# the deaths of the same moment (a lost node).
+PEER_ERROR_GRACE_SECONDS = 5.0
+SAME_MOMENT_SECONDS = 0.25
 
 
 @dataclass
-class HostGroup:
+class RayHostGroup:
     """One actor per host, gang-scheduled through a placement group."""
 
     cluster: ClusterConfig
@@ -46,13 +58,17 @@ class HostGroup:
     actors: list = field(default_factory=list)
     coordinator: object = None  # host 0's answer: the jax.distributed coordinator's address
     joins: list = field(default_factory=list)  # each host's join of the jax.distributed cluster
-    local_pids: list[int] = field(default_factory=list)  # see `started`
+    local_pids: list[int] = field(default_factory=list)  # see `identities`
     from_standby: int = 0  # standby hosts claimed (training.driver.standby_hosts)
+    # The calls the driver waits on (the actors' start, join, then training) -> their host
+    calls: dict = field(default_factory=dict)
+    returned_hosts: set = field(default_factory=set)  # hosts whose `train` call returned
+    inbox: object = None  # the queue the hosts' events come through, once they train
 
     @classmethod
     def request(
         cls, cluster: ClusterConfig, join_timeout_s: float, claim_standby: bool = False
-    ) -> HostGroup:
+    ) -> RayHostGroup:
         """Ask Ray for the hosts and create their actors, without waiting: Ray starts each
         actor once its host is placed, and the actor imports its libraries and joins the
         group's `jax.distributed` cluster (within `join_timeout_s`) at once. So a group
@@ -113,10 +129,78 @@ class HostGroup:
         self.coordinator = self.actors[0].coordinator_address.remote(local)
         self.joins = [a.join_jax_cluster.remote(self.coordinator, timeout_s) for a in self.actors]
 
-    def started(self, identities: list[dict]) -> None:
-        """Note the hosts' processes that run on this node, to see them gone at shutdown."""
+    def identities(self, bound_s: float) -> list[dict]:
+        """Each host's identity, once its actor has started (within `bound_s`). The hosts'
+        processes on this node are noted, to see them gone at shutdown."""
+        identities = self._from_starting_hosts([a.identity.remote() for a in self.actors], bound_s)
         here = ray.get_runtime_context().get_node_id()
         self.local_pids = [i["pid"] for i in identities if i["node_id"] == here]
+        return identities
+
+    def join(self, bound_s: float) -> str:
+        """The jax.distributed coordinator's address, once every host has joined."""
+        coordinator = self._from_starting_hosts([self.coordinator], bound_s)[0]
+        self._from_starting_hosts(self.joins, bound_s)
+        return coordinator
+
+    def _from_starting_hosts(self, refs: list, bound_s: float) -> list:
+        """The answers of host actors still starting, within `bound_s`; one that failed or
+        died stops them all."""
+        self.calls = dict(zip(refs, range(len(refs)), strict=True))
+        try:
+            return ray.get(refs, timeout=bound_s)
+        except (RayTaskError, RayActorError) as error:
+            failed = next(host for ref, host in self.calls.items() if outcome(ref)[1] is not None)
+            raise FailedHost(failed, error) from None
+        except GetTimeoutError:
+            raise HostFailure(
+                f"the host actors did not start within fault.startup_timeout_s={bound_s:g}; "
+                "stopped all hosts",
+                restartable=True,
+                silent_s=bound_s,
+            ) from None
+
+    def train(self, cfg: RunConfig, mesh: MeshShape, driver_dir: str) -> None:
+        """Every host trains on the joined cluster, sending its events to `events`."""
+        self.inbox = Queue(actor_options={"num_cpus": 0})
+        self.calls = {
+            actor.train.remote(cfg, mesh, self.inbox, driver_dir): host
+            for host, actor in enumerate(self.actors)
+        }
+
+    def returned(self, timeout_s: float) -> dict[int, dict]:
+        """The results of hosts that returned since the last call, waiting up to `timeout_s`
+        for the others; `FailedHost` for a host that raised or died."""
+        pending = self._pending()
+        finished, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        results = {}
+        for ref in finished:
+            result, error = outcome(ref)
+            if error is not None:
+                raise FailedHost(self.calls[ref], error)
+            results[self.calls[ref]] = result
+        self.returned_hosts.update(results)
+        return results
+
+    def _pending(self) -> list:
+        return [ref for ref, host in self.calls.items() if host not in self.returned_hosts]
+
+    def failure(self, failed: FailedHost, silent_s: float, output_dir: Path) -> HostFailure:
+        """One HostFailure for `failed`, with the failures of the same moment."""
+        return gathered_failure(self.calls, self._pending(), failed, silent_s, output_dir)
+
+    def events(self) -> list[FromHost]:
+        """What the hosts sent since the last call."""
+        found = []
+        while True:
+            try:
+                found += self.inbox.get_nowait_batch(max(self.inbox.size(), 1))
+            except Empty:
+                return found
+
+    def request_stop(self) -> None:
+        for actor in self.actors:
+            actor.request_stop.remote()
 
     def shutdown(self) -> None:
         for actor in self.actors:
@@ -125,6 +209,51 @@ class HostGroup:
         remove_placement_group(self.placement)
         _stop_processes(self.local_pids)
         self.local_pids = []
+        if self.inbox is not None:
+            self.inbox.shutdown()
+            self.inbox = None
+
+
+def outcome(ref) -> tuple[dict | None, Exception | None]:
+    """(result, None) for a host call that returned, (None, error) for one that failed;
+    (None, None) while it is still running."""
+    try:
+        return ray.get(ref, timeout=0), None
+    except (RayTaskError, RayActorError) as error:
+        return None, error
+    except GetTimeoutError:
+        return None, None
+
+
+def gathered_failure(
+    calls: dict, pending: list, failed: FailedHost, silent_s: float, output_dir: Path
+) -> HostFailure:
+    """One HostFailure for a host call that failed, naming the root cause first.
+
+    When a host dies, its peers fail moments later inside a collective: after a peer's
+    error, wait briefly for the death, so that it, not the peers' connection errors, leads
+    the message. After a death, only gather the deaths of the same moment: the peers may
+    take long to notice, and a restart waits for this. `silent_s`: how long the first failed
+    host had said nothing."""
+    noticed = time.monotonic()
+    died = isinstance(failed.error, RayActorError)
+    grace = SAME_MOMENT_SECONDS if died else PEER_ERROR_GRACE_SECONDS
+    ray.wait(pending, num_returns=len(pending), timeout=grace)
+    failures = [(calls[ref], error) for ref in pending if (error := outcome(ref)[1])]
+    failures = failures or [(failed.host, failed.error)]
+    failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
+    return HostFailure(
+        "; then ".join(_describe(host, error, output_dir) for host, error in failures),
+        restartable=isinstance(failures[0][1], RayActorError),
+        silent_s=silent_s,
+        noticed=noticed,
+    )
+
+
+def _describe(host: int, error: Exception, output_dir: Path) -> str:
+    if isinstance(error, RayActorError):
+        return f"host {host} died ({str(error).splitlines()[0]})"
+    return describe_raised(host, error.cause, str(error), output_dir)
 
 
 def host_environments(cluster: ClusterConfig) -> list[dict[str, str]]:

@@ -14,21 +14,16 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.queue import Empty, Queue
-
 from training.checkpoint.inspection import newest_step
 from training.config import RunConfig
 from training.contracts import predicts_tokens
 from training.driver.checked import Checked
-from training.driver.cluster import ray_session
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
-from training.driver.failures import HostFailure, gathered_failure, outcome
+from training.driver.failures import FailedHost, HostFailure
+from training.driver.hosts import HostGroup, hosts_reachable, request_hosts
 from training.driver.logs import RunLog
 from training.driver.metrics import MetricsLog
-from training.driver.placement import HostGroup
 from training.driver.restarts import Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
@@ -77,7 +72,7 @@ class Supervisor:
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
         try:
-            with ray_session(self.cfg.cluster), _signals_handled_by(self._on_signal):
+            with hosts_reachable(self.cfg.cluster), _signals_handled_by(self._on_signal):
                 self._mark("ray_ready")
                 results = self._run_with_restarts()
             summary = self._summary(run_status(results, self.cfg.trainer.steps), results)
@@ -142,81 +137,54 @@ class Supervisor:
 
     def _run_host_group(self) -> list[dict]:
         group, self.next_group = self.next_group or self._request_group(), None
-        inbox = Queue(actor_options={"num_cpus": 0})
+        bound = self.cfg.fault.startup_timeout_s
         try:
             group.wait_placed(self._notify)
             self._mark("hosts_placed")
-            self.seen.identities = self._from_starting_hosts(
-                [a.identity.remote() for a in group.actors]
-            )
-            group.started(self.seen.identities)
+            self.seen.identities = self._unless_failed(group, group.identities, bound)
             self._mark("actors_started")
-            self.seen.coordinator = self._from_starting_hosts([group.coordinator])[0]
-            self._from_starting_hosts(group.joins)
+            self.seen.coordinator = self._unless_failed(group, group.join, bound)
             self._mark("jax_cluster_joined")
-            calls = {
-                actor.train.remote(self.cfg, self.checked.mesh, inbox, os.getcwd()): host
-                for host, actor in enumerate(group.actors)
-            }
-            return self._supervise(calls, inbox, group.actors)
+            group.train(self.cfg, self.checked.mesh, os.getcwd())
+            return self._supervise(group)
         finally:
             # Marked as the release begins: no other group is placed on these hosts before.
             self.seen.mark("hosts_released", latest=True)
             group.shutdown()
-            inbox.shutdown()
 
-    def _from_starting_hosts(self, refs: list) -> list:
-        """The answers of host actors still starting, within the startup bound; one that
-        failed or died stops them all."""
-        bound = self.cfg.fault.startup_timeout_s
+    def _unless_failed(self, group: HostGroup, call, *args):
+        """`call(*args)`, a failed host's error turned into the run's failure."""
         try:
-            return ray.get(refs, timeout=bound)
-        except (RayTaskError, RayActorError) as error:
-            hosts = dict(zip(refs, range(len(refs)), strict=True))
-            raise gathered_failure(hosts, refs, error, 0.0, self.output_dir) from None
-        except GetTimeoutError:
-            raise HostFailure(
-                f"the host actors did not start within fault.startup_timeout_s={bound:g}; "
-                "stopped all hosts",
-                restartable=True,
-                silent_s=bound,
-            ) from None
+            return call(*args)
+        except FailedHost as failed:
+            raise group.failure(failed, 0.0, self.output_dir) from None
 
-    def _supervise(self, calls: dict, inbox: Queue, actors: list) -> list[dict]:
+    def _supervise(self, group: HostGroup) -> list[dict]:
         self.watchdog = watchdog = Watchdog(self.checked.hosts, self.cfg.fault)
         results: dict[int, dict] = {}
         stop_sent = False
         with self.display:
-            while len(results) < len(calls):
+            while len(results) < self.checked.hosts:
                 if self.stop_signal is not None and not stop_sent:
-                    for actor in actors:
-                        actor.request_stop.remote()
+                    group.request_stop()
                     stop_sent = True
-                pending = [ref for ref, host in calls.items() if host not in results]
-                finished, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
-                for ref in finished:
-                    result, error = outcome(ref)
-                    if error is not None:
-                        self._drain(inbox, watchdog)  # what the hosts logged before it
-                        silent_s = watchdog.silent_for(calls[ref])
-                        raise gathered_failure(calls, pending, error, silent_s, self.output_dir)
-                    results[calls[ref]] = result
-                self._drain(inbox, watchdog)
+                try:
+                    results.update(group.returned(POLL_SECONDS))
+                except FailedHost as failed:
+                    self._drain(group, watchdog)  # what the hosts logged before it
+                    silent_s = watchdog.silent_for(failed.host)
+                    raise group.failure(failed, silent_s, self.output_dir) from None
+                self._drain(group, watchdog)
                 for host in results:
                     watchdog.done(host)
                 self.display.phases(watchdog.not_stepping())
                 watchdog.check()
-            self._drain(inbox, watchdog)
-        return [results[h] for h in range(len(calls))]
+            self._drain(group, watchdog)
+        return [results[h] for h in range(self.checked.hosts)]
 
-    def _drain(self, inbox: Queue, watchdog: Watchdog) -> None:
-        while True:
-            try:
-                events = inbox.get_nowait_batch(max(inbox.size(), 1))
-            except Empty:
-                return
-            for event in events:
-                self._handle(event, watchdog)
+    def _drain(self, group: HostGroup, watchdog: Watchdog) -> None:
+        for event in group.events():
+            self._handle(event, watchdog)
 
     def _handle(self, sent: FromHost, watchdog: Watchdog) -> None:
         host, event = sent.host, sent.event
@@ -273,7 +241,7 @@ class Supervisor:
             self.next_group = self._request_group()
 
     def _request_group(self) -> HostGroup:
-        return HostGroup.request(self.cfg.cluster, self.cfg.fault.startup_timeout_s)
+        return request_hosts(self.cfg.cluster, self.cfg.fault.startup_timeout_s)
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.checked.data_spec.fingerprint:

@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-from contextlib import nullcontext
 
 import psutil
 import ray
@@ -18,39 +17,11 @@ import ray
 from training.config import RunConfig
 from training.events import Event, FromHost
 from training.host.output import drop_gloo_chatter, sent_to
-from training.host.phases import Beats, Phase
-from training.host.warnings import forward_warnings
-from training.models.remat import cpu_xla_flags
+from training.host.serve import serve
 from training.parallel.mesh import MeshShape
 
 LOOPBACK = "127.0.0.1"
 DRIVER_WATCH_SECONDS = 1.0
-
-
-def host_environment(
-    platform: str,
-    devices_per_host: int,
-    gpus: list[int] | None = None,
-    inherited: dict[str, str] | None = None,
-) -> dict[str, str]:
-    """On GPU, JAX takes the host's CUDA devices and fails loudly if the CUDA build of jax is
-    missing, rather than falling back to one CPU device; `gpus`: the GPUs of a local host
-    (None on a Ray cluster, where Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor holds),
-    with the memory and XLA settings of `training.gpus.gpu_environment`. On CPU,
-    `devices_per_host` devices are simulated. `inherited`: the environment the host starts
-    from (the driver's, for a local run); settings the user made there are kept."""
-    # Ray runs workers at niceness 15; a host's training is the node's main work, and a niced
-    # host loses the CPU (input feeding, collectives' threads) to anything else running there.
-    common = {"KERAS_BACKEND": "jax", "RAY_worker_niceness": "0"}
-    if platform == "gpu":
-        from training.gpus import gpu_environment
-
-        return {**common, "JAX_PLATFORMS": "cuda", **gpu_environment(gpus, inherited or {})}
-    return {
-        **common,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": cpu_xla_flags(devices_per_host),
-    }
 
 
 # Two threads: `request_stop` must run while `train` is busy.
@@ -146,26 +117,19 @@ class HostActor:
 
     def train(self, cfg: RunConfig, mesh: MeshShape, inbox, driver_dir: str) -> dict:
         """Train on the joined cluster (`join_jax_cluster` first)."""
-        from training.host.trainer import train
-        from training.models.locate import put_first_on_path
-
         # Relative paths (data files, the user's model module) mean what they mean on the
         # driver: run in the driver's directory where this node has it (a local run, shared
         # storage), else in this actor's own (a Ray job's copy of the shipped directory).
         if os.path.isdir(driver_dir):
             os.chdir(driver_dir)
-        put_first_on_path([os.getcwd()])
 
         def send(event: Event) -> None:
             inbox.put(FromHost(self.host_index, event))
 
-        # The beats go on while the host builds, compiles or saves, however long.
-        phase = Phase()
         # A standby host was started by an earlier run's job, whose driver Ray streams its
         # output to.
-        output = sent_to(send) if self._claimed else nullcontext()
-        with forward_warnings(send), Beats(phase, send), output:
-            return {"host": self.host_index, **train(cfg, mesh, send, self._stop.is_set, phase)}
+        output = sent_to(send) if self._claimed else None
+        return serve(self.host_index, cfg, mesh, send, self._stop.is_set, output)
 
 
 def _end_with(pid: int) -> None:

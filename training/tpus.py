@@ -1,0 +1,86 @@
+"""This machine's TPU chips, found without opening them, and the environment that gives a
+host process its chips.
+
+The driver must not open a chip (one process at a time may hold one, and opening costs
+seconds), so chips are counted as the TPU runtime and Ray count them: a character device
+`/dev/accel<N>` per chip (TPU v2-v4, v5p), or a VFIO group under `/dev/vfio` whose PCI device
+is Google's (vendor 0x1ae0: v5e, v6e).
+
+One host process owns every chip by default. Where a run asks for several hosts on one TPU
+VM (`cluster.hosts`), libtpu lets processes of one JAX cluster share the VM's chips in
+blocks of 1, 2 or 4 chips: each process is told its chips (TPU_VISIBLE_CHIPS), the block
+shape (TPU_CHIPS_PER_PROCESS_BOUNDS), how the blocks tile the VM (TPU_PROCESS_BOUNDS), its
+task id and every process's address (JAX's "multiple processes per host" recipe).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+GOOGLE_PCI_VENDOR = "0x1ae0"
+# Chips of one TPU VM as libtpu lays them out (x, y, z), by chip count; v5e/v6e VMs of 4
+# and 8 chips are 2x2 and 2x4, v4/v5p VMs of 4 chips 2x2x1.
+VM_CHIP_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+# Processes of a VM split along y first, then x (each block a (x, y, 1) box).
+PROCESS_BLOCK_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1)}
+FIRST_PROCESS_PORT = 8476  # libtpu's own default for the first process of a VM
+
+
+def count_tpu_chips(dev: str = "/dev", sysfs: str = "/sys/kernel/iommu_groups") -> int:
+    """The TPU chips of this machine (0 without any)."""
+    accel = [p for p in glob.glob(os.path.join(dev, "accel*")) if not os.path.isdir(p)]
+    if accel:
+        return len(accel)
+    try:
+        groups = [entry for entry in os.listdir(os.path.join(dev, "vfio")) if entry.isdigit()]
+    except OSError:
+        return 0
+    return sum(_is_google_device(os.path.join(sysfs, group, "devices")) for group in groups)
+
+
+def _is_google_device(devices: str) -> bool:
+    try:
+        names = os.listdir(devices)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(devices, name, "vendor")) as file:
+                if file.read().strip().lower() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def split_chips(chips: int, hosts: int) -> str | None:
+    """Why `hosts` processes cannot share `chips` chips of one VM; None where they can."""
+    if chips % hosts or chips // hosts not in PROCESS_BLOCK_BOUNDS or chips not in VM_CHIP_BOUNDS:
+        blocks = ", ".join(str(n) for n in PROCESS_BLOCK_BOUNDS if n <= chips and chips % n == 0)
+        return (
+            f"libtpu lets processes share a TPU VM's {chips} chip(s) in blocks of "
+            f"{blocks or 'none'} chip(s) each; {hosts} host(s) would get {chips / hosts:g}"
+        )
+    return None
+
+
+def tpu_environment(host: int, hosts: int, chips: int) -> dict[str, str]:
+    """libtpu's settings for host `host` of `hosts` processes sharing this VM's `chips` chips
+    (none where one process owns them all)."""
+    if hosts == 1:
+        return {}
+    per_host = chips // hosts
+    block = PROCESS_BLOCK_BOUNDS[per_host]
+    vm = VM_CHIP_BOUNDS[chips]
+    grid = tuple(v // b for v, b in zip(vm, block, strict=True))
+    ports = [FIRST_PROCESS_PORT + i for i in range(hosts)]
+    chips_held = range(host * per_host, (host + 1) * per_host)
+    return {
+        "TPU_VISIBLE_CHIPS": ",".join(map(str, chips_held)),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": ",".join(map(str, block)),
+        "TPU_PROCESS_BOUNDS": ",".join(map(str, grid)),
+        "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{port}" for port in ports),
+        "TPU_PROCESS_PORT": str(ports[host]),
+        "CLOUD_TPU_TASK_ID": str(host),
+    }
