@@ -44,6 +44,10 @@ class Ready:
     setup_seconds: float
     data_fingerprint: str
     resumed_from_step: int
+    device_kind: str = ""  # JAX's name of the host's devices ("TPU v5 lite", "NVIDIA H100 ...")
+    # Bytes each device may hold (JAX's memory_stats() limit); None where the platform has
+    # none (CPU).
+    device_memory_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class Compiled:
     compile_cache: str  # hit, miss or off
     compile_cache_hits: int
     compile_cache_misses: int
+    # What the compiled step needs of a device's memory (XLA's memory_analysis), with the
+    # state it updates and the next batch: `training.host.memory`.
+    step_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ class StepLogged:
     metrics: dict[str, float] = field(default_factory=dict)  # each over the interval
     # Where the host evaluated at `step`: the held-out loss and metrics, by name.
     held_out: dict[str, float] | None = None
+    # The most any of the host's devices has held so far (memory_stats' peak); None on CPU.
+    device_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,34 @@ class HostOutput:
 
 
 Event = Beat | Ready | Compiled | StepLogged | HostWarning | HostOutput
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """A host's step does not fit its devices' memory: found by the compiler before the
+    first step (`needed` over `limit`), or by a device at run time. The driver turns it into
+    one error naming what would fit (`training.driver.preflight.explain_out_of_memory`)."""
+
+    def __init__(
+        self, needed: int | None, limit: int | None, device: str, when: str, detail: str = ""
+    ):
+        # Every argument in `args`, so that the error survives pickling (a Ray actor's).
+        super().__init__(needed, limit, device, when, detail)
+        self.needed, self.limit, self.device, self.when, self.detail = (
+            needed,
+            limit,
+            device,
+            when,
+            detail,
+        )
+
+    def __str__(self) -> str:
+        gb = 1e9
+        need = f"needs {self.needed / gb:.2f} GB" if self.needed else "does not fit"
+        has = f" and a {self.device} has {self.limit / gb:.2f} GB" if self.limit else ""
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"the training step {need} per device{has}, {self.when}{detail}"
+
+
 Send = Callable[[Event], None]
 
 

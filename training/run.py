@@ -32,7 +32,7 @@ from training.config import (  # noqa: E402
     LocalClusterConfig,
     RunConfig,
     register_configs,
-    settled_export,
+    settled_outputs,
     to_run_config,
     with_open_dicts,
 )
@@ -55,7 +55,7 @@ register_configs()
 def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console | None = None):
     """Check the config, train, write results under `output_dir`; return the summary."""
     console = console or Console()
-    with sized_to_cluster(settled_export(to_run_config(cfg), output_dir)) as cfg:
+    with sized_to_cluster(settled_outputs(to_run_config(cfg), output_dir)) as cfg:
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
         # Ray starts before the rest of the checks, not beside them in a thread: it starts its
         # processes by fork, and a fork while another thread is inside a BLAS call hangs in

@@ -19,6 +19,16 @@ import glob
 import os
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
+# A TPU chip's PCI device id (as JAX's hardware_utils knows them) -> what JAX calls its
+# devices and the memory JAX lets one device use (measured on a v5e: 16,909,336,064 bytes;
+# the others their HBM per device less the same quarter GiB).
+TPU_KINDS = {
+    "0x0027": ("TPU v3", 15.75 * 2**30),
+    "0x005e": ("TPU v4", 31.75 * 2**30),
+    "0x0062": ("TPU v5", 94.75 * 2**30),
+    "0x0063": ("TPU v5 lite", 15.75 * 2**30),
+    "0x006f": ("TPU v6 lite", 31.75 * 2**30),
+}
 # Chips of one TPU VM as libtpu lays them out (x, y, z), by chip count; v5e/v6e VMs of 4
 # and 8 chips are 2x2 and 2x4, v4/v5p VMs of 4 chips 2x2x1.
 VM_CHIP_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
@@ -32,26 +42,46 @@ def count_tpu_chips(dev: str = "/dev", sysfs: str = "/sys/kernel/iommu_groups") 
     accel = [p for p in glob.glob(os.path.join(dev, "accel*")) if not os.path.isdir(p)]
     if accel:
         return len(accel)
+    return len(_vfio_tpu_device_ids(dev, sysfs))
+
+
+def tpu_kind(
+    dev: str = "/dev", sysfs: str = "/sys/kernel/iommu_groups"
+) -> tuple[str, float] | None:
+    """What JAX will call this machine's TPU devices and the bytes each may hold, read from
+    the chips' PCI ids without opening them; None where unknown."""
+    ids = _vfio_tpu_device_ids(dev, sysfs) or _pci_device_ids("/sys/bus/pci/devices")
+    known = [TPU_KINDS[i] for i in ids if i in TPU_KINDS]
+    return known[0] if known else None
+
+
+def _vfio_tpu_device_ids(dev: str, sysfs: str) -> list[str]:
+    """The PCI device id of each Google device behind a VFIO group (one per v5e/v6e chip)."""
     try:
         groups = [entry for entry in os.listdir(os.path.join(dev, "vfio")) if entry.isdigit()]
     except OSError:
-        return 0
-    return sum(_is_google_device(os.path.join(sysfs, group, "devices")) for group in groups)
+        return []
+    ids = (_pci_device_ids(os.path.join(sysfs, group, "devices")) for group in groups)
+    return [found[0] for found in ids if found]
 
 
-def _is_google_device(devices: str) -> bool:
+def _pci_device_ids(devices: str) -> list[str]:
+    """The device ids of the Google PCI devices under a sysfs directory."""
     try:
         names = os.listdir(devices)
     except OSError:
-        return False
+        return []
+    ids = []
     for name in names:
         try:
             with open(os.path.join(devices, name, "vendor")) as file:
-                if file.read().strip().lower() == GOOGLE_PCI_VENDOR:
-                    return True
+                if file.read().strip().lower() != GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(devices, name, "device")) as file:
+                ids.append(file.read().strip().lower())
         except OSError:
             continue
-    return False
+    return ids
 
 
 def split_chips(chips: int, hosts: int) -> str | None:

@@ -52,8 +52,11 @@ from training.config.plan import PlanConfig
 from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyConfig
 from training.config.sweep import SweepConfig
 from training.config.trainer import TrainerConfig
-from training.gpus import discover_gpus
-from training.tpus import count_tpu_chips
+from training.gpus import MEM_FRACTION, Gpu, discover_gpus
+from training.tpus import count_tpu_chips, tpu_kind
+
+# plan.device_memory_gb where the device's own is not known here: an 80 GB GPU's.
+DEFAULT_DEVICE_MEMORY_GB = 80.0
 
 __all__ = [
     "AUTO",
@@ -97,7 +100,7 @@ __all__ = [
     "register_configs",
     "resolve_local",
     "run_config_from_record",
-    "settled_export",
+    "settled_outputs",
     "to_run_config",
     "url_scheme",
     "with_open_dicts",
@@ -193,11 +196,11 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def settled_for_this_machine(run: RunConfig) -> RunConfig:
     """A local or in-process cluster's platform, hosts and devices settled for this
-    machine's TPU chips or GPUs."""
+    machine's TPU chips or GPUs, and plan.device_memory_gb for its devices."""
     cluster = run.cluster
     resolve = {LocalClusterConfig: resolve_local, InProcessClusterConfig: resolve_in_process}
     if type(cluster) not in resolve:
-        return run
+        return _with_device_memory(run, None)
     gpus = discover_gpus() if cluster.platform in ("auto", "gpu") else []
     chips = count_tpu_chips() if cluster.platform in ("auto", "tpu") else 0
     settled = resolve[type(cluster)](cluster, gpus, chips)
@@ -207,22 +210,50 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
         "driver's own process, and a lost host is the driver lost; restarts need cluster=local "
         "or cluster=ray",
     )
-    return replace(run, cluster=settled)
+    return _with_device_memory(replace(run, cluster=settled), _device_memory_gb(settled, gpus))
 
 
-def settled_export(run: RunConfig, output_dir: str) -> RunConfig:
-    """`export.dir` where it is empty: the run's directory `output_dir` on a local cluster
-    (the hosts run on this machine); checkpoint.dir, where it is a path, on a Ray cluster."""
-    export = run.export
-    if not export.enabled or export.dir:
+def _device_memory_gb(cluster: LocalClusterConfig | InProcessClusterConfig, gpus: list[Gpu]):
+    """What one device of this machine's run may hold, in GB; None where not known."""
+    if cluster.platform == "gpu" and gpus:
+        chosen = getattr(cluster, "gpus", None)
+        taking_part = [g for g in gpus if chosen is None or g.index in chosen]
+        return min(g.memory_mib for g in taking_part) * 2**20 * float(MEM_FRACTION) / 1e9
+    if cluster.platform == "tpu" and (kind := tpu_kind()):
+        return kind[1] / 1e9
+    return None
+
+
+def _with_device_memory(run: RunConfig, found_gb: float | None) -> RunConfig:
+    if run.plan.device_memory_gb != AUTO:
         return run
+    settled = DEFAULT_DEVICE_MEMORY_GB if found_gb is None else round(found_gb, 3)
+    return replace(run, plan=replace(run.plan, device_memory_gb=settled))
+
+
+def settled_outputs(run: RunConfig, output_dir: str) -> RunConfig:
+    """Where the hosts write what the run hands back, where the config leaves it empty: the
+    run's directory `output_dir` on a local or in-process cluster (the hosts run on this
+    machine), checkpoint.dir where it is a path on a Ray cluster. `export.dir` there, and
+    trainer.profile_dir in its `profile/`."""
     if isinstance(run.cluster, LocalClusterConfig | InProcessClusterConfig):
-        directory = output_dir
+        directory = str(output_dir)
     elif run.checkpoint.enabled and url_scheme(run.checkpoint.dir) is None:
         directory = run.checkpoint.dir
     else:
-        return run
-    return replace(run, export=replace(export, dir=str(directory)))
+        directory = ""
+    export, trainer = run.export, run.trainer
+    if export.enabled and not export.dir and directory:
+        run = replace(run, export=replace(export, dir=directory))
+    if trainer.profile_steps and not trainer.profile_dir:
+        require(
+            bool(directory),
+            "trainer.profile_steps: give trainer.profile_dir, a directory every host can write "
+            "(on a Ray cluster without a checkpoint.dir path there is no run directory)",
+        )
+        profiles = str(Path(directory) / "profile")
+        run = replace(run, trainer=replace(trainer, profile_dir=profiles))
+    return run
 
 
 def config_record(run: RunConfig) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from training.config.common import AUTO, require, require_size_or_auto
 
@@ -23,7 +24,9 @@ class PlanConfig:
     devices_per_host: int = AUTO
     latency_us: float = 10.0  # fixed cost of one collective
     device_tflops: float = 100.0  # sustained training throughput of one device
-    device_memory_gb: float = 80.0
+    # -1: the device's own where this machine's run has one (its GPUs' memory as nvidia-smi
+    # lists it, less what JAX leaves to others; a TPU chip's, known by its PCI id), else 80
+    device_memory_gb: float = AUTO
     # Fewer examples than this per device leave a device mostly waiting on launches.
     min_examples_per_device: int = 8
     # A run refuses to start when the plan predicts more than device_memory_gb per device
@@ -32,18 +35,21 @@ class PlanConfig:
     # training.plan also compiles the configured step on simulated CPU devices (allocating
     # the model in this machine's memory) and prints what XLA says it holds.
     compile: bool = False
+    # A device's dense bf16 peak, for the run's model FLOPs utilisation (MFU); null: known
+    # per device kind (training/accelerators.py), none on CPU.
+    peak_tflops: Optional[float] = None
 
     def __post_init__(self) -> None:
-        positive = (
-            "intra_host_gb_per_s",
-            "inter_host_gb_per_s",
-            "device_tflops",
-            "device_memory_gb",
-        )
+        positive = ("intra_host_gb_per_s", "inter_host_gb_per_s", "device_tflops")
         for key in positive:
             require(getattr(self, key) > 0, f"plan.{key} must be > 0")
+        require(
+            self.device_memory_gb > 0 or self.device_memory_gb == AUTO,
+            "plan.device_memory_gb must be > 0, or -1 for the device's own",
+        )
         require(self.latency_us >= 0, "plan.latency_us must be >= 0")
         require(self.min_examples_per_device >= 1, "plan.min_examples_per_device must be >= 1")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "plan.peak_tflops must be > 0")
         require_size_or_auto(
             self,
             "plan",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import List
 
 from training.config.common import ConfigError, require, require_held_out_figure, require_positive
 
@@ -48,6 +49,12 @@ class TrainerConfig:
     # layer paths to recompute in the backward pass instead of keeping their activations
     remat: str = "none"
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    # [first, last]: a jax.profiler trace of these steps (1-based, both included), for
+    # TensorBoard's profile tab; [] for none
+    profile_steps: List[int] = field(default_factory=list)
+    # Where the trace goes, a directory per host; "": the run's directory (`<run>/profile`)
+    # on a local or in-process cluster, else checkpoint.dir's `profile/` beside it
+    profile_dir: str = ""
 
     def __post_init__(self) -> None:
         require_positive(
@@ -74,6 +81,15 @@ class TrainerConfig:
             f"trainer.accumulate={self.accumulate}",
         )
 
+        require(
+            not self.profile_steps
+            or (
+                len(self.profile_steps) == 2
+                and 1 <= self.profile_steps[0] <= self.profile_steps[1] <= self.steps
+            ),
+            f"trainer.profile_steps={list(self.profile_steps)} must be [first, last] steps "
+            f"within 1..trainer.steps={self.steps}, or []",
+        )
         try:
             re.compile(self.remat)
         except re.error as error:

@@ -27,6 +27,8 @@ class Checked:
     # variable (or strategy.layout=auto's), and fsdp's split over `data`; None: data parallel.
     rules: LayoutRules | None = None
     parameters: dict[str, int] = field(default_factory=dict)  # build.count_parameters
+    # A training example's model FLOPs (training.models.flops), for MFU
+    flops_per_example: float = 0.0
 
     @property
     def data_spec(self) -> DataSpec:

@@ -40,7 +40,7 @@ class ProgressDisplay:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[speed]} ex/s"),
+                TextColumn("{task.fields[speed]} ex/s{task.fields[device]}"),
                 TextColumn("slowest host {task.fields[slowest]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
@@ -49,7 +49,13 @@ class ProgressDisplay:
                 console=self.console,
             )
             self._task = self._bar.add_task(
-                "train", total=self.total_steps, loss="-", speed="-", slowest="-", phases=""
+                "train",
+                total=self.total_steps,
+                loss="-",
+                speed="-",
+                device="",
+                slowest="-",
+                phases="",
             )
             self._bar.start()
         return self
@@ -92,6 +98,7 @@ class ProgressDisplay:
             f"  {name} {record[name]:.4f}" for name in metric_names([record])
         )
         speed = f"{record['examples_per_second']:,.0f}"
+        device = _per_device(record)
         slowest = _slowest_host(record)
         if "eval_loss" in record:
             self.console.print(
@@ -101,12 +108,17 @@ class ProgressDisplay:
             )
         if self._bar is not None:
             self._bar.update(
-                self._task, completed=record["step"], loss=loss, speed=speed, slowest=slowest
+                self._task,
+                completed=record["step"],
+                loss=loss,
+                speed=speed,
+                device=device,
+                slowest=slowest,
             )
         else:
             self.console.print(
                 f"step {record['step']}/{self.total_steps}  loss {loss}  "
-                f"examples/s {speed}  eta {self._eta(record)}  slowest host {slowest}",
+                f"examples/s {speed}{device}  eta {self._eta(record)}  slowest host {slowest}",
                 highlight=False,
                 soft_wrap=True,  # one line per logged step, however narrow the log viewer
             )
@@ -115,6 +127,21 @@ class ProgressDisplay:
         """The steps left at the slowest host's pace over the last logged interval."""
         step_seconds = max(record["per_host_step_seconds"])
         return timedelta(seconds=round((self.total_steps - record["step"]) * step_seconds))
+
+
+def _per_device(record: dict, between: str = "  ") -> str:
+    """Tokens/s, model TFLOP/s and MFU per device, and the most a device has held, where
+    known (a record's or the summary's figures)."""
+    shown = []
+    if "tokens_per_second_per_device" in record:
+        shown.append(f"tokens/s/device {record['tokens_per_second_per_device']:,.0f}")
+    if record.get("model_tflops_per_device"):
+        shown.append(f"TFLOP/s/device {record['model_tflops_per_device']:.3g}")
+    if "mfu" in record:
+        shown.append(f"MFU {record['mfu']:.2f}")
+    if "device_peak_memory_bytes" in record:
+        shown.append(f"peak memory {record['device_peak_memory_bytes'] / 1e9:.2f} GB")
+    return "".join(f"{between}{item}" for item in shown)
 
 
 def _slowest_host(record: dict) -> str:
@@ -136,7 +163,7 @@ def print_summary(summary: dict, console: Console) -> None:
         lines.append(f"  host {host}: data rows {rows}, devices {devices}")
     lines.append(
         f"final loss {summary['final_loss']:.4f} · {summary['examples_per_second']:,.0f} "
-        f"examples/s · {summary['wall_seconds']:.1f}s · parameters "
+        f"examples/s{_per_device(summary, ' · ')} · {summary['wall_seconds']:.1f}s · parameters "
         f"{summary['parameter_bytes_per_device']:,} bytes per device of "
         f"{summary['parameter_bytes_total']:,} ({summary['parameter_bytes_replicated']:,} "
         "replicated on every device)"

@@ -28,12 +28,12 @@ class HostFailure(RuntimeError):
 
 
 class FailedHost(Exception):
-    """Host `host`'s call ended in `error`: what the host raised, or (on Ray) what ended
-    the actor."""
+    """Host `host`'s call ended in `error`: what ended it (on Ray, Ray's error); `cause`:
+    what the host itself raised, where it raised."""
 
-    def __init__(self, host: int, error: BaseException):
+    def __init__(self, host: int, error: BaseException, cause: BaseException | None = None):
         super().__init__(f"host {host}: {error}")
-        self.host, self.error = host, error
+        self.host, self.error, self.cause = host, error, cause
 
 
 def describe_raised(host: int, cause: BaseException, traceback: str, output_dir: Path) -> str:

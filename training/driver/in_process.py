@@ -55,7 +55,7 @@ class InProcessHostGroup:
         if self._thread.is_alive():
             return {}
         if isinstance(self._outcome, BaseException):
-            raise FailedHost(0, self._outcome)
+            raise FailedHost(0, self._outcome, self._outcome)
         return {0: self._outcome}
 
     def failure(self, failed: FailedHost, silent_s: float, output_dir: Path) -> HostFailure:

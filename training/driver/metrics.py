@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from training.events import StepLogged
@@ -15,12 +16,42 @@ from training.events import StepLogged
 MAX_LOG_PERPLEXITY = 700.0
 
 
+@dataclass
+class Throughput:
+    """What turns examples per second into the figures compared across runs and hardware:
+    tokens per second per device, model TFLOP/s per device (`training.models.flops`) and
+    model FLOPs utilisation against the devices' peak (unknown until the hosts name their
+    devices, or given as plan.peak_tflops)."""
+
+    devices: int
+    positions_per_example: int = 1
+    flops_per_example: float = 0.0
+    peak_tflops: float | None = None
+
+    def figures(self, examples_per_second: float) -> dict:
+        per_device = examples_per_second / self.devices
+        tflops = per_device * self.flops_per_example / 1e12
+        found = {"model_tflops_per_device": tflops}
+        if self.positions_per_example > 1:
+            found["tokens_per_second_per_device"] = per_device * self.positions_per_example
+        if self.peak_tflops:
+            found["mfu"] = tflops / self.peak_tflops
+        return found
+
+
 class MetricsLog:
     """Joins the hosts' StepLogged events of each step and appends the joined record to a file."""
 
-    def __init__(self, hosts: int, path: Path, perplexity: bool = True):
+    def __init__(
+        self,
+        hosts: int,
+        path: Path,
+        perplexity: bool = True,
+        throughput: Throughput | None = None,
+    ):
         self.hosts = hosts
         self.perplexity = perplexity  # exp(loss) means something for token prediction only
+        self.throughput = throughput
         self.records: list[dict] = []
         self._pending: dict[int, dict[int, StepLogged]] = defaultdict(dict)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,7 +64,9 @@ class MetricsLog:
         if len(self._pending[step]) < self.hosts:
             return None
         by_host = self._pending.pop(step)
-        record = join_logged_steps([by_host[h] for h in range(self.hosts)], self.perplexity)
+        record = join_logged_steps(
+            [by_host[h] for h in range(self.hosts)], self.perplexity, self.throughput
+        )
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -49,17 +82,22 @@ class MetricsLog:
         self._file.close()
 
 
-def join_logged_steps(logged: list[StepLogged], perplexity: bool = True) -> dict:
+def join_logged_steps(
+    logged: list[StepLogged], perplexity: bool = True, throughput: Throughput | None = None
+) -> dict:
     """One record of a logged step from every host's. The loss and the metrics are of
     global arrays, the same on every host: host 0's are the step's."""
     step_seconds = [r.seconds / r.steps for r in logged]
     interval_seconds = max(r.seconds for r in logged)
     examples = sum(r.examples for r in logged)
+    peaks = [r.device_peak_bytes for r in logged if r.device_peak_bytes is not None]
     return {
         "step": logged[0].step,
         "loss": logged[0].loss,
         **logged[0].metrics,
         "examples_per_second": examples / interval_seconds,
+        **(throughput.figures(examples / interval_seconds) if throughput else {}),
+        **({"device_peak_memory_bytes": max(peaks)} if peaks else {}),
         "per_host_step_seconds": step_seconds,
         "slowest_host": max(range(len(logged)), key=step_seconds.__getitem__),
         "interval_examples": examples,
@@ -87,6 +125,10 @@ RECORD_FIELDS = (
     "step",
     "loss",
     "examples_per_second",
+    "tokens_per_second_per_device",
+    "model_tflops_per_device",
+    "mfu",
+    "device_peak_memory_bytes",
     "per_host_step_seconds",
     "slowest_host",
     "interval_examples",
@@ -112,6 +154,18 @@ def _steady(records: list[dict]) -> list[dict]:
 def steady_examples_per_second(records: list[dict]) -> float | None:
     seconds = sum(r["interval_seconds"] for r in _steady(records))
     return sum(r["interval_examples"] for r in _steady(records)) / seconds if seconds else None
+
+
+def steady_throughput(records: list[dict], throughput: Throughput | None) -> dict:
+    """The throughput figures over the steady records, and the devices' peak memory."""
+    found = {}
+    rate = steady_examples_per_second(records) if records else None
+    if throughput and rate:
+        found.update(throughput.figures(rate))
+    peaks = [r["device_peak_memory_bytes"] for r in records if "device_peak_memory_bytes" in r]
+    if peaks:
+        found["device_peak_memory_bytes"] = max(peaks)
+    return found
 
 
 def per_host_step_seconds(records: list[dict]) -> list[float]:

@@ -151,7 +151,7 @@ class RayHostGroup:
             return ray.get(refs, timeout=bound_s)
         except (RayTaskError, RayActorError) as error:
             failed = next(host for ref, host in self.calls.items() if outcome(ref)[1] is not None)
-            raise FailedHost(failed, error) from None
+            raise FailedHost(failed, error, getattr(error, "cause", None)) from None
         except GetTimeoutError:
             raise HostFailure(
                 f"the host actors did not start within fault.startup_timeout_s={bound_s:g}; "
@@ -177,7 +177,7 @@ class RayHostGroup:
         for ref in finished:
             result, error = outcome(ref)
             if error is not None:
-                raise FailedHost(self.calls[ref], error)
+                raise FailedHost(self.calls[ref], error, getattr(error, "cause", None))
             results[self.calls[ref]] = result
         self.returned_hosts.update(results)
         return results

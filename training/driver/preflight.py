@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from dataclasses import replace
 
 from training import models
 from training.build import count_parameters
@@ -13,8 +15,11 @@ from training.config.trainer import ALL_HELD_OUT
 from training.contracts import ACTIVATION_RULE_SUFFIX, DataSpec, LayoutRules, VariableInfo
 from training.data import build_dataset
 from training.driver.checked import Checked, check_sizes
+from training.events import OutOfDeviceMemory
+from training.models.flops import model_flops_per_example
 from training.models.remat import remat_layers
 from training.parallel import auto_layout, costs, fsdp, tensor_parallel
+from training.parallel.dtypes import readable_bytes
 from training.parallel.mesh import MeshShape
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
@@ -71,6 +76,7 @@ def preflight(cfg: RunConfig) -> Checked:
         layout,
         rules,
         count_parameters(model),
+        model_flops_per_example(model, data_spec.positions_per_example),
     )
 
 
@@ -84,6 +90,66 @@ def check_memory_fits(
         raise ConfigError(
             f"{why}. python -m training.plan shows each strategy's figures; "
             "plan.check_memory=false tries anyway"
+        )
+
+
+def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemory) -> str:
+    """`oom` (a host's step that does not fit its devices) and the changes that fit them by
+    the plan, scaled by how far the compiler's figure for this step is from the plan's."""
+    if oom.limit is None:
+        return f"{oom}; trainer.remat, strategy=fsdp or a smaller micro-batch hold less"
+    spec, mesh = checked.data_spec, checked.mesh
+    model = costs.abstract_model(cfg, spec)
+    planned = _planned_bytes(cfg, model, mesh)
+    scale = oom.needed / planned if oom.needed else 1.0
+    fits = []
+    for override, variant in _ways_to_hold_less(cfg, mesh):
+        same_model = variant.trainer.remat == cfg.trainer.remat
+        needed = scale * _planned_bytes(
+            variant, model if same_model else costs.abstract_model(variant, spec), mesh
+        )
+        if needed <= oom.limit:
+            fits.append(f"{override} ({readable_bytes(needed)})")
+    ways = (
+        "these fit: " + ", ".join(fits)
+        if fits
+        else "none of trainer.remat, fsdp, trainer.accumulate or a halved trainer.global_batch "
+        "fits: use more devices or a smaller model"
+    )
+    return (
+        f"{oom}. By the plan (python -m training.plan), scaled by {scale:.2f} to the compiler's "
+        f"figure for this step, {ways}"
+    )
+
+
+def _planned_bytes(cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape) -> int:
+    strategy, examples = cfg.strategy.name, cfg.trainer.micro_batch
+    return costs.memory_cost(cfg, model, strategy, mesh, examples).total_bytes
+
+
+def _ways_to_hold_less(cfg: RunConfig, mesh: MeshShape) -> Iterator[tuple[str, RunConfig]]:
+    """The changes of one setting that hold less per device: remat, fsdp, more
+    micro-batches, half the batch; each as its override and the config it makes."""
+    trainer, strategy = cfg.trainer, cfg.strategy
+    for mode in ("dots", "full"):
+        if trainer.remat not in (mode, "full"):
+            yield f"trainer.remat={mode}", replace(cfg, trainer=replace(trainer, remat=mode))
+    if strategy.name == "data_parallel" and mesh.data > 1:
+        yield "strategy=fsdp", replace(cfg, strategy=replace(strategy, name="fsdp"))
+    if strategy.name == "hybrid" and not strategy.fsdp:
+        yield "strategy.fsdp=true", replace(cfg, strategy=replace(strategy, fsdp=True))
+    batch = trainer.global_batch
+    for accumulate in (2 * trainer.accumulate, 4 * trainer.accumulate):
+        if batch % accumulate == 0 and (batch // accumulate) % mesh.data == 0:
+            yield (
+                f"trainer.accumulate={accumulate}",
+                replace(cfg, trainer=replace(trainer, accumulate=accumulate)),
+            )
+    half = batch // 2
+    if trainer.micro_batch % 2 == 0 and (trainer.micro_batch // 2) % mesh.data == 0:
+        yield (
+            f"trainer.global_batch={half}",
+            replace(cfg, trainer=replace(trainer, global_batch=half)),
         )
 
 

@@ -10,14 +10,17 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from training.accelerators import peak_tflops
 from training.checkpoint.inspection import newest_step
 from training.checkpoint.storage import directory_bytes
 from training.config import RunConfig
 from training.driver.checked import Checked
 from training.driver.metrics import (
+    Throughput,
     metric_names,
     per_host_step_seconds,
     steady_examples_per_second,
+    steady_throughput,
     write_json,
 )
 from training.driver.restarts import Restarts
@@ -37,6 +40,16 @@ class Observed:
     # cluster the driver may not see it at all).
     resumed_from_step: int | None = None
     coordinator: str | None = None  # the jax.distributed coordinator's address (host 0)
+    throughput: Throughput | None = None
+    device_kind: str | None = None  # JAX's name of the hosts' devices
+    device_memory_limit: int | None = None  # bytes a device may hold (None: not said)
+
+    def saw_devices(self, kind: str, memory_limit: int | None) -> None:
+        """A host's devices: their kind gives the peak MFU is measured against, unless
+        plan.peak_tflops gave it."""
+        self.device_kind, self.device_memory_limit = kind, memory_limit
+        if self.throughput is not None and self.throughput.peak_tflops is None:
+            self.throughput.peak_tflops = peak_tflops(kind)
 
     def mark(self, phase: str, latest: bool = False) -> None:
         """The run reached `phase`: the first time counts, or with `latest` the last."""
@@ -86,6 +99,11 @@ def build_summary(
         **_metrics_summary(records),
         **_held_out_summary(records, checked.data_spec.baseline_loss),
         "examples_per_second": steady_examples_per_second(records) if records else None,
+        **steady_throughput(records, seen.throughput),
+        "device_kind": seen.device_kind,
+        "device_peak_tflops": seen.throughput.peak_tflops if seen.throughput else None,
+        "device_memory_limit_bytes": seen.device_memory_limit,
+        "model_flops_per_example": checked.flops_per_example,
         "per_host_step_seconds": per_host_step_seconds(records) if records else None,
         "wall_seconds": time.perf_counter() - seen.started,
         # Wall-clock times, comparable across the trials of a sweep.
@@ -165,9 +183,12 @@ def _compile_summary(compiles: dict[int, dict]) -> dict:
         return {}
     outcomes = {h["compile_cache"] for h in hosts}
     overall = "miss" if "miss" in outcomes else "hit" if outcomes == {"hit"} else "off"
+    needs = [h["step_memory_bytes"] for h in hosts if h.get("step_memory_bytes") is not None]
     return {
         "compile_seconds": max(h["compile_seconds"] for h in hosts),
         "compile_cache": overall,
+        # What the compiled step needs of a device, the state and the next batch included.
+        "step_memory_bytes": max(needs) if needs else None,
         "per_host_compile": hosts,
     }
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from training.checkpoint.inspection import newest_step
-from training.config import RunConfig
+from training.config import ConfigError, RunConfig
 from training.contracts import predicts_tokens
 from training.driver.checked import Checked
 from training.driver.coverage import RowCoverage, WrongRows
@@ -23,7 +23,7 @@ from training.driver.display import ProgressDisplay
 from training.driver.failures import FailedHost, HostFailure
 from training.driver.hosts import HostGroup, hosts_reachable, request_hosts
 from training.driver.logs import RunLog
-from training.driver.metrics import MetricsLog
+from training.driver.metrics import MetricsLog, Throughput
 from training.driver.restarts import Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
@@ -33,6 +33,7 @@ from training.events import (
     FromHost,
     HostOutput,
     HostWarning,
+    OutOfDeviceMemory,
     Ready,
     StepLogged,
     finished_step,
@@ -56,14 +57,22 @@ class Supervisor:
         self.cfg, self.checked, self.output_dir, self.display = cfg, checked, output_dir, display
         # The group the next host group start takes: the first, then a spare for a restart.
         self.next_group = first_group
+        self.seen = Observed(
+            throughput=Throughput(
+                checked.mesh.devices,
+                checked.data_spec.positions_per_example,
+                checked.flops_per_example,
+                cfg.plan.peak_tflops,
+            )
+        )
         self.metrics = MetricsLog(
             checked.hosts,
             output_dir / "metrics.jsonl",
             perplexity=predicts_tokens(checked.data_spec),
+            throughput=self.seen.throughput,
         )
         self.log = RunLog(output_dir, display.console)
         self.scalars = ScalarWriter(output_dir)
-        self.seen = Observed()
         self.restarts = Restarts(cfg.fault)
         self.coverage = RowCoverage(checked.dataset, cfg.trainer)
         self.watchdog = Watchdog(checked.hosts, cfg.fault)
@@ -157,7 +166,16 @@ class Supervisor:
         try:
             return call(*args)
         except FailedHost as failed:
-            raise group.failure(failed, 0.0, self.output_dir) from None
+            raise self._failure(group, failed, 0.0) from None
+
+    def _failure(self, group: HostGroup, failed: FailedHost, silent_s: float) -> Exception:
+        """A step that does not fit a device's memory is the run's configuration to change,
+        said in one line with what would fit; anything else a host failure."""
+        if isinstance(failed.cause, OutOfDeviceMemory):
+            from training.driver.preflight import explain_out_of_memory
+
+            return ConfigError(explain_out_of_memory(self.cfg, self.checked, failed.cause))
+        return group.failure(failed, silent_s, self.output_dir)
 
     def _supervise(self, group: HostGroup) -> list[dict]:
         self.watchdog = watchdog = Watchdog(self.checked.hosts, self.cfg.fault)
@@ -172,8 +190,7 @@ class Supervisor:
                     results.update(group.returned(POLL_SECONDS))
                 except FailedHost as failed:
                     self._drain(group, watchdog)  # what the hosts logged before it
-                    silent_s = watchdog.silent_for(failed.host)
-                    raise group.failure(failed, silent_s, self.output_dir) from None
+                    raise self._failure(group, failed, watchdog.silent_for(failed.host)) from None
                 self._drain(group, watchdog)
                 for host in results:
                     watchdog.done(host)
@@ -200,6 +217,7 @@ class Supervisor:
                 self.seen.compiles[host] = {
                     "compile_seconds": event.compile_seconds,
                     "compile_cache": event.compile_cache,
+                    "step_memory_bytes": event.step_memory_bytes,
                 }
             case HostWarning():
                 self.log.host_warning(host, event.message)
@@ -212,6 +230,7 @@ class Supervisor:
     def _ready(self, host: int, ready: Ready) -> None:
         self._check_same_data(host, ready.data_fingerprint)
         self.coverage.add_host(host, ready.rows)
+        self.seen.saw_devices(ready.device_kind, ready.device_memory_limit)
         if self.seen.resumed_from_step is None:
             self.seen.resumed_from_step = ready.resumed_from_step
         self.seen.identities[host].update(

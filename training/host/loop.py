@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from training.host.compile_cache import compile_step
+from training.host.memory import batch_bytes, step_need
 from training.recipe.schedules import learning_rate_at
 
 # At most about this many steps are left in flight: XLA:CPU's collectives can abort when
@@ -71,6 +72,7 @@ class CompiledStep:
         self.carry = jax.jit(lambda: _initial_carry(start), out_shardings=self._replicated)()
         self._reset = jax.jit(_reset_sum, out_shardings=self._replicated)
         self._compiled = None
+        self.memory_needed: int | None = None  # what the compiled step needs of a device
         self._in_flight: list = []
 
     def from_keras(self) -> None:
@@ -124,6 +126,8 @@ class CompiledStep:
         )
         lowered = step.lower(self.state, self.metrics, self.carry, batch)
         self._compiled = compile_step(lowered)
+        # The prefetcher places the next batch while a step runs: one more on the devices.
+        self.memory_needed = step_need(self._compiled, batch_bytes(batch))
         return time.perf_counter() - started
 
     def __call__(self, batch) -> None:

@@ -31,7 +31,15 @@ from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.feed import HostFeed, distinct_examples
 from training.host.loop import COUNTS, CompiledStep
+from training.host.memory import (
+    check_step_fits,
+    local_device,
+    memory_limit,
+    out_of_memory_explained,
+    peak_bytes_in_use,
+)
 from training.host.phases import Phase
+from training.host.profile import StepProfile
 from training.parallel.mesh import (
     MeshShape,
     device_grid,
@@ -66,12 +74,14 @@ def train(
     phase.set(BUILDING)
     use_cache(cfg.trainer.compile_cache_dir)
     grid = device_grid(jax.devices(), mesh)
-    model, dataset = build_on_grid(cfg, grid)
+    with out_of_memory_explained("while the model was built"):
+        model, dataset = build_on_grid(cfg, grid)
     checkpoints, start = None, 0
     if cfg.checkpoint.enabled:
         phase.set(RESTORING)
         checkpoints = HostCheckpoints(cfg, model, dataset.spec)
-        start = checkpoints.restore_newest()
+        with out_of_memory_explained("while the checkpoint was restored"):
+            start = checkpoints.restore_newest()
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))
@@ -83,6 +93,8 @@ def train(
             setup_seconds=time.perf_counter() - started,
             data_fingerprint=dataset.spec.fingerprint,
             resumed_from_step=start,
+            device_kind=local_device().device_kind,
+            device_memory_limit=memory_limit(),
         )
     )
     examples_per_step = distinct_examples(grid, cfg.trainer.global_batch, process)
@@ -205,19 +217,35 @@ def _train_loop(
     guard.phase.set(COMPILING)
     runner = CompiledStep(model, trainer.accumulate, start)
     batches = feed.prefetch(start)
+    profile = StepProfile(trainer.profile_steps, trainer.profile_dir, _process_index())
     try:
-        with cache_outcome() as compiled:
+        with cache_outcome() as compiled, out_of_memory_explained("by the compiler"):
             compiled["compile_seconds"] = runner.compile(batches.peek())
-        reached = _steps(
-            trainer, runner, batches, feed, examples_per_step, send, start, guard, compiled
-        )
+        compiled["step_memory_bytes"] = runner.memory_needed
+        check_step_fits(runner.memory_needed)
+        with out_of_memory_explained("at run time"):
+            reached = _steps(
+                trainer,
+                runner,
+                batches,
+                feed,
+                examples_per_step,
+                send,
+                start,
+                guard,
+                compiled,
+                profile,
+            )
     finally:
+        profile.close()
         batches.close()
     runner.to_keras()
     return reached
 
 
-def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard, compiled):
+def _steps(
+    trainer, runner, batches, feed, examples_per_step, send, start, guard, compiled, profile
+):
     """The steps, dispatched without waiting. The phase's finished step moves only where
     the host has seen a step's result (the first step, a logged or saved step, the step
     `bound_in_flight` waited for): a host stuck in a collective does not look busy."""
@@ -226,8 +254,10 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
     interval_steps = 0
     loss, done = None, start
     for step in range(start, trainer.steps):
+        profile.before(step + 1)
         for _ in range(k):
             runner(batches.take())
+        profile.after(step + 1, runner.carry[COUNTS])
         interval_steps += 1
         done = step + 1
         if done == start + 1:
@@ -273,6 +303,7 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
                 learning_rate=runner.learning_rate(done),
                 rows_fed=batches.fed_since(k),
                 metrics=interval.metrics,
+                device_peak_bytes=peak_bytes_in_use(),
             )
             if evaluate:
                 with phase.during(EVALUATING):
@@ -293,6 +324,12 @@ def _steps(trainer, runner, batches, feed, examples_per_step, send, start, guard
         if stop:
             break
     return loss, done
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:

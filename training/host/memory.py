@@ -1,0 +1,113 @@
+"""What a host's devices hold: the compiled step's need against a device's memory, checked
+before the first step, and a device running out of memory as `OutOfDeviceMemory` rather
+than a traceback.
+
+The need is XLA's `memory_analysis()` of the compiled step (its peak, or arguments +
+temporaries + outputs not updated in place), plus the one batch the prefetcher places on the
+devices while a step runs. The limit is the device's own (`memory_stats()["bytes_limit"]`,
+what JAX's allocator may use); a platform without one (CPU) is not checked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from training.events import OutOfDeviceMemory
+
+# How XLA and the TPU/GPU runtimes say a device ran out of memory.
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
+# "... required for HLO temporaries (16.00G) exceeds available HBM (15.75G)", "Used 19.3G of
+# 15.48G hbm": the figures a TPU's refusal gives, in GiB.
+TPU_FIGURES = re.compile(
+    r"\(([\d.]+)G\) exceeds available \w+ \(([\d.]+)G\)|Used ([\d.]+)G of ([\d.]+)G"
+)
+GIB = 1024**3
+
+
+def local_device():
+    import jax
+
+    return jax.local_devices()[0]
+
+
+def memory_limit() -> int | None:
+    """Bytes a device of this host may hold; None where the platform does not say (CPU)."""
+    stats = local_device().memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def peak_bytes_in_use() -> int | None:
+    """The most any device of this host has held since the process started; None on CPU."""
+    import jax
+
+    peaks = [
+        stats["peak_bytes_in_use"]
+        for device in jax.local_devices()
+        if (stats := device.memory_stats()) and "peak_bytes_in_use" in stats
+    ]
+    return int(max(peaks)) if peaks else None
+
+
+def batch_bytes(batch) -> int:
+    """What one placed batch holds on a device (the largest share, where shares differ)."""
+    import jax
+
+    return sum(
+        max(shard.data.nbytes for shard in leaf.addressable_shards)
+        for leaf in jax.tree.leaves(batch)
+    )
+
+
+def step_need(compiled, batch_bytes: int) -> int:
+    """What the compiled step needs of a device: its own peak as XLA reports it (or its
+    arguments, temporaries and the outputs not written in place), and the next batch."""
+    analysis = compiled.memory_analysis()
+    laid_out = (
+        analysis.argument_size_in_bytes
+        + analysis.temp_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.generated_code_size_in_bytes
+    )
+    return max(int(getattr(analysis, "peak_memory_in_bytes", 0) or 0), laid_out) + batch_bytes
+
+
+def check_step_fits(needed: int) -> None:
+    """`OutOfDeviceMemory` before the first step where the step cannot fit a device."""
+    limit = memory_limit()
+    if limit is not None and needed > limit:
+        raise OutOfDeviceMemory(
+            needed, limit, local_device().device_kind, "by the compiler, before the first step"
+        )
+
+
+@contextmanager
+def out_of_memory_explained(when: str) -> Iterator[None]:
+    """A device's out-of-memory error inside the block (the compiler's refusal, an
+    allocation at run time) as `OutOfDeviceMemory`, with the figures it gives."""
+    try:
+        yield
+    except OutOfDeviceMemory:
+        raise
+    except Exception as error:
+        message = str(error)
+        if not OUT_OF_MEMORY.search(message):
+            raise
+        needed, limit = _figures(message)
+        raise OutOfDeviceMemory(
+            needed,
+            limit or memory_limit(),
+            local_device().device_kind,
+            when,
+            message.splitlines()[0][:300],
+        ) from None
+
+
+def _figures(message: str) -> tuple[int | None, int | None]:
+    found = TPU_FIGURES.search(message)
+    if not found:
+        return None, None
+    needed, limit = [float(g) for g in found.groups() if g is not None]
+    return round(needed * GIB), round(limit * GIB)
