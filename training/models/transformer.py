@@ -19,6 +19,7 @@ import keras
 from keras import ops
 
 from training.contracts import LayoutRules
+from training.models.attention import causal_attention
 
 RULES: LayoutRules = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
@@ -86,12 +87,14 @@ class CausalSelfAttention(keras.layers.Layer):
     """Multi-head causal self-attention whose query, key and value come from one fused
     projection, (d_model) -> (3, heads, head_dim). Split by heads, the gradient of the
     attention's input is then one contraction and one all-reduce; with three projections (as
-    keras.layers.MultiHeadAttention has) XLA all-reduces each projection's share apart."""
+    keras.layers.MultiHeadAttention has) XLA all-reduces each projection's share apart.
+    `attention` picks the kernel (training/models/attention.py): auto, einsum or fused."""
 
-    def __init__(self, heads: int, head_dim: int, **kwargs):
+    def __init__(self, heads: int, head_dim: int, attention: str = "auto", **kwargs):
         super().__init__(**kwargs)
         self.heads = heads
         self.head_dim = head_dim
+        self.attention = attention
 
     def build(self, input_shape):
         self.qkv = keras.layers.EinsumDense(
@@ -113,17 +116,12 @@ class CausalSelfAttention(keras.layers.Layer):
 
     def call(self, x):
         query, key, value = ops.unstack(self.qkv(x), 3, axis=2)
-        scores = ops.einsum("btnh,bsnh->bnts", query, key) * self.head_dim**-0.5
-        length = x.shape[1]
-        causal = ops.tril(ops.ones((length, length), dtype="bool"))
-        scores = ops.where(causal, scores, ops.cast(-1e9, scores.dtype))
-        weights = ops.softmax(scores, axis=-1)
-        return self.attention_output(ops.einsum("bnts,bsnh->btnh", weights, value))
+        return self.attention_output(causal_attention(query, key, value, self.attention))
 
 
-def _block(h, d_model: int, heads: int, d_ff: int, i: int):
+def _block(h, d_model: int, heads: int, d_ff: int, i: int, attention: str):
     a = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_attention_norm")(h)
-    a = CausalSelfAttention(heads, d_model // heads, name=f"block_{i}_attention")(a)
+    a = CausalSelfAttention(heads, d_model // heads, attention, name=f"block_{i}_attention")(a)
     h = h + a
     m = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_mlp_norm")(h)
     m = keras.layers.Dense(
@@ -141,6 +139,7 @@ def build(
     vocab_size: int = 256,
     seq_len: int = 128,
     tie_embeddings: bool = False,
+    attention: str = "auto",
 ) -> keras.Model:
     if d_model % heads:
         raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
@@ -150,7 +149,7 @@ def build(
     )
     h = PositionEmbedding(seq_len, name="position_embedding")(embedding(tokens))
     for i in range(layers):
-        h = _block(h, d_model, heads, d_ff, i)
+        h = _block(h, d_model, heads, d_ff, i, attention)
     h = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(h)
     head = embedding
     if not tie_embeddings:

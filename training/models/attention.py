@@ -1,0 +1,187 @@
+"""Causal self-attention of (batch, seq, heads, head_dim) query, key and value, through the
+fused kernel of the platform the layer runs on.
+
+- TPU: JAX's Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
+  which never holds the (batch, heads, seq, seq) scores, forward or backward.
+- GPU: cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`, in
+  bfloat16 or float16.
+- CPU, and wherever the kernel does not take the inputs: the einsum path, which materialises
+  the scores. On CPU `fused` runs the TPU kernel through JAX's Pallas interpreter: slow, it is
+  there to check the kernel without a TPU.
+
+`keras.ops.dot_product_attention` is not used: on a TPU v5e it held more temporaries than the
+einsum path (33.0 GB against 19.3 at 302 M parameters, flash_attention=True or not) and was
+slower (scripts/probe_attention.py measures the kernels here).
+
+A Pallas kernel is a custom call XLA's partitioner cannot split, so on a mesh of several
+devices the kernel runs under `jax.shard_map` over the Keras distribution's mesh, each device
+on its own batch rows (over the distribution's batch axis) and heads (over `model`): the
+layout the transformer's rules give query, key and value, so nothing moves between devices.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+from keras import ops
+from keras.distribution import distribution
+
+IMPLEMENTATIONS = ("auto", "einsum", "fused")
+# Splash attention's tiles along the query and the key sequence, a multiple of its 128 lanes:
+# the largest of these that divides the sequence length, with the fused backward kernel.
+# Measured on a TPU v5e by scripts/probe_attention.py, forward + backward of one layer at
+# (batch 16, seq 1024, head_dim 64) in bfloat16, 12 heads / 16 heads: 4.35 / 5.72 ms and
+# 0.35 / 0.47 GB of temporaries, against the einsum path's 7.65 / 9.64 ms and 0.81 / 1.07 GB;
+# tiles of 256 took 6.75 / 9.05 ms, of 128 14.4 / 19.3 ms, of 1024 the same as 512.
+SPLASH_BLOCKS = (512, 256, 128)
+# cuDNN's flash attention: its dtypes and the largest head size every GPU it runs on takes.
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernel for one call: einsum, splash or cudnn; why, when it is the einsum path."""
+
+    kernel: str
+    reason: str = ""
+    interpret: bool = False  # the Pallas kernel run by JAX's interpreter (CPU)
+
+
+def choose(implementation: str, platform: str, dtype: str, seq: int, head_dim: int) -> Choice:
+    """Which kernel computes attention on `platform` for inputs of `dtype`: `einsum` always the
+    einsum path; `auto` the platform's fused kernel where it takes the inputs, else the einsum
+    path; `fused` the fused kernel or a ValueError saying why not."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention={implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if implementation == "einsum":
+        return Choice("einsum", "attention=einsum")
+    if platform == "cpu" and implementation == "auto":
+        return Choice("einsum", "no fused attention kernel on CPU")
+    if platform in ("tpu", "cpu"):
+        fused = _splash_or_why_not(seq, interpret=platform == "cpu")
+    elif platform == "gpu":
+        fused = _cudnn_or_why_not(dtype, head_dim)
+    else:
+        fused = Choice("einsum", f"no fused attention kernel on {platform}")
+    if fused.kernel == "einsum" and implementation == "fused":
+        raise ValueError(f"attention=fused: {fused.reason}")
+    return fused
+
+
+def _splash_or_why_not(seq: int, interpret: bool) -> Choice:
+    if seq % SPLASH_BLOCKS[-1]:
+        return Choice(
+            "einsum", f"splash attention needs seq_len a multiple of {SPLASH_BLOCKS[-1]}, not {seq}"
+        )
+    return Choice("splash", interpret=interpret)
+
+
+def _cudnn_or_why_not(dtype: str, head_dim: int) -> Choice:
+    if dtype not in CUDNN_DTYPES:
+        return Choice("einsum", f"cuDNN's fused attention takes bfloat16 or float16, not {dtype}")
+    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+        return Choice(
+            "einsum",
+            f"cuDNN's fused attention takes a head size of at most {CUDNN_MAX_HEAD_DIM} and a "
+            f"multiple of 8, not {head_dim}",
+        )
+    return Choice("cudnn")
+
+
+def causal_attention(query, key, value, implementation: str = "auto"):
+    """softmax(q kᵀ / √head_dim, causal) v over (batch, seq, heads, head_dim) arrays."""
+    _, seq, _, head_dim = query.shape
+    on = platform()
+    choice = choose(implementation, on, str(query.dtype), seq, head_dim)
+    if choice.kernel == "einsum":
+        if implementation == "auto" and on != "cpu":
+            warnings.warn(f"attention runs the einsum path: {choice.reason}", stacklevel=2)
+        return einsum_attention(query, key, value)
+    if choice.kernel == "cudnn":
+        return on_each_device(cudnn_attention, query, key, value)
+    return on_each_device(partial(splash_attention, interpret=choice.interpret), query, key, value)
+
+
+def einsum_attention(query, key, value):
+    """The scores materialised, (batch, heads, seq, seq), in the inputs' dtype."""
+    scores = ops.einsum("btnh,bsnh->bnts", query, key) * query.shape[-1] ** -0.5
+    length = query.shape[1]
+    causal = ops.tril(ops.ones((length, length), dtype="bool"))
+    scores = ops.where(causal, scores, ops.cast(-1e9, scores.dtype))
+    weights = ops.softmax(scores, axis=-1)
+    return ops.einsum("bnts,bsnh->btnh", weights, value)
+
+
+def splash_attention(query, key, value, interpret: bool = False):
+    """Pallas splash attention, one example's heads per kernel call, mapped over the batch."""
+    # Imported here: Pallas' kernels add most of a second to importing jax.
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    _, seq, heads, head_dim = query.shape
+    block = next(b for b in SPLASH_BLOCKS if seq % b == 0)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+    kernel = splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # The kernel takes (heads, seq, head_dim) and does not scale the scores.
+    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * head_dim**-0.5, key, value))
+    return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
+
+
+def cudnn_attention(query, key, value):
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        scale=query.shape[-1] ** -0.5,
+        is_causal=True,
+        implementation="cudnn",
+    )
+
+
+def on_each_device(kernel, query, key, value):
+    """`kernel` on each device's rows of the batch and its heads, under the Keras
+    distribution's mesh; directly with no distribution or one device."""
+    current = distribution()
+    if current is None or current.device_mesh.devices.size == 1:
+        return kernel(query, key, value)
+    mesh = current.device_mesh.backend_mesh
+    batch, _, heads, _ = query.shape
+    spec = PartitionSpec(
+        _axis_dividing(mesh, current.batch_dim_name, batch),
+        None,
+        _axis_dividing(mesh, "model", heads),
+        None,
+    )
+    # The Pallas kernel's output carries no record of which mesh axes it varies over.
+    return jax.shard_map(
+        kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )(query, key, value)
+
+
+def _axis_dividing(mesh, name: str, size: int) -> str | None:
+    """`name` if it is an axis of `mesh` that splits `size` evenly (a symbolic call's batch
+    of stand-in size need not be), else None: that dimension stays whole on each device."""
+    return name if name in mesh.shape and size % mesh.shape[name] == 0 else None
+
+
+def platform() -> str:
+    """The platform of the devices the layer runs on: the Keras distribution's, else JAX's
+    default devices'."""
+    current = distribution()
+    if current is not None:
+        return current.device_mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
