@@ -21,6 +21,15 @@ measurements made here (only the remat step time is timed, both runs in this pro
 5. wide_mlp under fsdp (this process the one host): the most it held of its arrays while the
    model and its optimizer state were built, and while a checkpoint was restored, against
    its share of the state plus its largest variable.
+
+    python scripts/bench_memory.py --accelerator [--workloads=transformer-86M,llama-lora]
+
+6. (alone, with --accelerator) plan ÷ compiled on this machine's accelerator, one device:
+   the built-in transformer at 86 M parameters and a keras-hub Llama of TinyLlama-1.1B's
+   shape with LoRA (scripts/bench_accelerator.py's workloads), without remat, with dots and
+   full: the plan's whole (state, gradients, activations) against what the hosts' own
+   compiled step needs (training.host.memory), and whether each fits the device by the plan
+   and by the compiler.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ import sys
 
 from training.models.remat import cpu_xla_flags
 
-os.environ["XLA_FLAGS"] = cpu_xla_flags(8)
-os.environ["JAX_PLATFORMS"] = "cpu"
+ON_ACCELERATOR = "--accelerator" in sys.argv
+if not ON_ACCELERATOR:
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(8)
+    os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["KERAS_BACKEND"] = "jax"
 
 import time  # noqa: E402
@@ -327,7 +338,63 @@ def preset_load_figures() -> None:
     )
 
 
+def plan_against_accelerator(workloads: list[str]) -> None:
+    """6: the plan's peak against the hosts' compiled step on one accelerator device."""
+    import tempfile
+    from pathlib import Path
+
+    from bench_accelerator import VOCABULARY, overrides, write_tokens
+
+    from training.events import OutOfDeviceMemory
+    from training.host.loop import CompiledStep, batch_shardings, place
+    from training.host.memory import memory_limit, out_of_memory_explained
+
+    limit = memory_limit()
+    print(f"  device {jax.devices()[0].device_kind}, {readable_bytes(limit or 0)} per device")
+    print(
+        f"  {'model':18} {'remat':5} {'plan':>9} {'compiled':>9} {'ratio':>6}  fits: plan, compiler"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        for workload in workloads:
+            tokens = write_tokens(Path(scratch), VOCABULARY.get(workload, 256))
+            for remat in REMATS:
+                cfg = compose_run_config(
+                    [*overrides(workload, tokens, 2), f"trainer.remat={remat}"]
+                )
+                spec = build_dataset(cfg.data).spec
+                batch = cfg.trainer.micro_batch
+                planned = memory_cost(
+                    cfg, abstract_model(cfg, spec), "data_parallel", MeshShape(1, 1), batch
+                ).total_bytes
+                keras.backend.clear_session()
+                model, dataset = build_on_grid(cfg, device_grid(jax.devices()[:1], MeshShape(1, 1)))
+                x = dataset.batch("train", 0, batch, slice(0, batch))
+                runner = CompiledStep(model, cfg.trainer.accumulate, 0)
+                try:
+                    with out_of_memory_explained("by the compiler"):
+                        runner.compile(place(x, batch_shardings(x)))
+                    needed = runner.memory_needed
+                except OutOfDeviceMemory as refused:
+                    needed = refused.needed
+                del model, runner
+                ratio = f"{planned / needed:6.2f}" if needed else "     -"
+                fits = [
+                    "yes" if limit is None or planned <= limit else "no",
+                    "yes" if needed and (limit is None or needed <= limit) else "no",
+                ]
+                print(
+                    f"  {workload:18} {remat:5} {readable_bytes(planned):>9} "
+                    f"{readable_bytes(needed or 0):>9} {ratio}  {', '.join(fits)}",
+                    flush=True,
+                )
+
+
 def main(argv: list[str]) -> None:
+    if ON_ACCELERATOR:
+        print("6. plan ÷ compiled on this machine's accelerator, one device")
+        chosen = [a.split("=", 1)[1] for a in argv if a.startswith("--workloads=")]
+        plan_against_accelerator((chosen or ["transformer-86M,llama-lora"])[0].split(","))
+        return
     print("1. fsdp: state per device and bytes sent")
     for model in ("wide_mlp", "transformer"):
         fsdp_figures(model, "fsdp")
