@@ -1,0 +1,158 @@
+"""`cluster=inprocess`: one host in the driver's own process, no Ray, the rest of a run as it
+is on Ray; the hosts' check of the compiled step against the device's memory; the
+throughput figures and the profile a run writes."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, run_config
+from tests.test_multihost import PRECISIONS, log_distance, single_device_losses
+from training.config import ConfigError
+from training.events import OutOfDeviceMemory
+from training.host import memory
+from training.run import run_training
+
+REPO = Path(__file__).resolve().parents[2]
+IN_PROCESS = ["cluster=inprocess"]
+SMALL_TRANSFORMER = [
+    "model=transformer",
+    "data=text",
+    "model.kwargs.layers=2",
+    "model.kwargs.d_model=64",
+    "model.kwargs.heads=4",
+    "model.kwargs.d_ff=256",
+    "model.seq_len=64",
+]
+# `python -m training.run` with Ray unimportable, as on a machine without it (the lent TPU
+# machine has no sockets, so Ray cannot even start there).
+WITHOUT_RAY = (
+    "import runpy, sys; sys.modules['ray'] = None; sys.argv = ['training.run', *sys.argv[1:]];"
+    " runpy.run_module('training.run', run_name='__main__')"
+)
+
+
+def test_a_run_and_a_sweep_in_process_need_no_ray(tmp_path):
+    """The README's main command with cluster=inprocess, as a 2-trial sweep: each trial in
+    the sweep's own process, one after the other, with its checks, progress, export and
+    summary, and the sweep's table."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_RAY,
+            "-m",
+            *IN_PROCESS,
+            *FAST,
+            "optimizer.learning_rate=1e-3,3e-3",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())["rows"]
+    assert [row["status"] for row in rows] == ["completed", "completed"]
+    for trial in ("0", "1"):
+        summary = json.loads((tmp_path / trial / "summary.json").read_text())
+        assert summary["hosts"] == 1 and summary["devices_total"] == 8
+        assert summary["rows_fed_checked_steps"] == len(summary["logged_steps"]) == 3
+        assert Path(summary["exported_model"]).is_file()
+        assert "host 0 on" in (tmp_path / trial / "run.log").read_text()
+
+
+def test_an_in_process_run_trains_as_one_device_does_and_writes_its_figures(tmp_path):
+    """Hybrid 2 × 4 on this process's 8 devices, against plain Keras on one device; the
+    summary's throughput figures, and the profile of steps 2 to 3."""
+    overrides = [*IN_PROCESS, "strategy=hybrid", "mesh.data=2", "mesh.model=4"]
+    extra = ["trainer.log_interval=1", "trainer.profile_steps=[2,3]", "plan.peak_tflops=0.5"]
+    summary = run_training(run_config(FAST + overrides + extra), tmp_path)
+    (reference,) = single_device_losses(FAST + ["trainer.log_interval=1"])
+    assert log_distance(summary["loss_history"], reference) < PRECISIONS["float32"]
+    assert summary["status"] == "completed" and summary["device_kind"] == "cpu"
+    # MFU is the model TFLOP/s per device against the peak given, and the model FLOPs the
+    # default MLP's: 6 FLOPs per weight and example, no attention.
+    weights = summary["parameters"]
+    assert summary["model_flops_per_example"] == 6 * weights
+    per_device = summary["examples_per_second"] / 8 * 6 * weights / 1e12
+    assert summary["model_tflops_per_device"] == pytest.approx(per_device)
+    assert summary["mfu"] == pytest.approx(per_device / 0.5)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["mfu"] > 0 for row in rows)
+    traces = list((tmp_path / "profile" / "host_0").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+def test_a_step_that_does_not_fit_is_one_error_and_what_it_names_fits(tmp_path, monkeypatch):
+    """A device that holds a byte less than the step needs: the run stops before its first
+    step with one error naming the bytes and what fits by the plan; the first option it
+    names then trains, on the same device."""
+    overrides = [*IN_PROCESS, *FAST, *SMALL_TRANSFORMER, "trainer.eval_batches=0"]
+    needed = {}
+    monkeypatch.setattr(memory, "memory_limit", lambda: needed.get("limit"))
+    original = memory.check_step_fits
+
+    def limit_below(need):
+        needed.setdefault("limit", need - 1)
+        original(need)
+
+    monkeypatch.setattr(memory, "check_step_fits", limit_below)
+    monkeypatch.setattr("training.host.trainer.check_step_fits", limit_below)
+    with pytest.raises(ConfigError) as refused:
+        run_training(run_config(overrides), tmp_path / "refused")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"needs {(needed['limit'] + 1) / 1e9:.2f} GB" in message, message
+    assert "before the first step" in message and "these fit: " in message, message
+    summary = json.loads((tmp_path / "refused" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["logged_steps"] == []
+    option = re.search(r"these fit: (\S+)", message).group(1)
+    summary = run_training(run_config([*overrides, option]), tmp_path / "fits")
+    assert summary["status"] == "completed" and summary["step_memory_bytes"] <= needed["limit"]
+
+
+@pytest.mark.parametrize(
+    "message, needed, limit",
+    [
+        # What a TPU v5e said, at run time and (the compiler's wording) before it.
+        (
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (16.00G) exceeds available HBM (15.75G).",
+            16.00,
+            15.75,
+        ),
+        (
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+            "space hbm. Used 19.30G of 15.48G hbm. Exceeded hbm capacity by 3.82G.",
+            19.30,
+            15.48,
+        ),
+    ],
+)
+def test_a_devices_out_of_memory_error_carries_its_figures(message, needed, limit):
+    with pytest.raises(OutOfDeviceMemory) as caught, memory.out_of_memory_explained("at run time"):
+        raise RuntimeError(message)
+    assert caught.value.needed == round(needed * 2**30) and caught.value.limit == round(
+        limit * 2**30
+    )
+    with pytest.raises(ValueError, match="not about memory"), memory.out_of_memory_explained("x"):
+        raise ValueError("not about memory")
+
+
+def test_the_in_process_host_refuses_a_jax_started_with_other_devices():
+    from training.config import InProcessClusterConfig
+    from training.host.in_process import InProcessHost
+
+    host = InProcessHost(InProcessClusterConfig(platform="cpu", devices_per_host=4))
+    with pytest.raises(ConfigError, match="this process's JAX holds 8 cpu device"):
+        host.check_devices()
+    with pytest.raises(ConfigError, match="cluster=inprocess runs one host"):
+        InProcessClusterConfig(hosts=2)
+    with pytest.raises(ConfigError, match="restarts need cluster=local"):
+        run_config([*IN_PROCESS, "checkpoint.dir=/tmp/x", "fault.max_restarts=1"])
