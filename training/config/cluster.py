@@ -93,7 +93,7 @@ class RayClusterConfig:
     # '{"training_host": 1}'`); unset, every node with GPUs (platform=gpu) is a host.
     host_resource: Optional[str] = None
     placement_timeout_s: float = 120.0
-    # A multi-host TPU slice, e.g. 4x4 of v5e (four VMs of 4 chips); empty: none.
+    # A multi-host TPU slice, e.g. 4x4 of v5litepod (v5e: four VMs of 4 chips); empty: none.
     tpu_topology: str = ""
     tpu_version: str = ""
 
@@ -112,7 +112,7 @@ class RayClusterConfig:
         require(
             bool(self.tpu_topology) == bool(self.tpu_version),
             "cluster.tpu_topology and cluster.tpu_version name a TPU slice together (e.g. "
-            "cluster.tpu_topology=4x4 cluster.tpu_version=v5e); give both or neither",
+            "cluster.tpu_topology=4x4 cluster.tpu_version=v5litepod); give both or neither",
         )
         require(
             not self.tpu_topology or self.platform == "tpu",

@@ -161,7 +161,10 @@ def sized_to_ray_cluster(cfg: RunConfig) -> Iterator[RunConfig]:
     """`cfg` with auto host and device counts read from the cluster, connected meanwhile.
 
     A config that gives both counts is checked before any connection, so bad input fails
-    without one; auto counts need the cluster first."""
+    without one; auto counts need the cluster first. A TPU slice's sizes are its topology's."""
+    if getattr(cfg.cluster, "tpu_topology", ""):
+        yield replace(cfg, cluster=sized_to_tpu_slice(cfg.cluster))
+        return
     if not is_auto_sized(cfg.cluster):
         yield cfg
         return
@@ -200,8 +203,34 @@ def sized_from_nodes(cluster: RayClusterConfig, nodes: list[Node]) -> RayCluster
     )
 
 
+DEVICE_RESOURCES = {"gpu": "GPU", "tpu": "TPU", "cpu": "CPU"}  # Ray's resource per platform
+
+
+def sized_to_tpu_slice(cluster: RayClusterConfig) -> RayClusterConfig:
+    """Hosts and chips per host of the TPU slice `cluster.tpu_topology` names (Ray's own
+    reckoning: one host per TPU VM of the slice)."""
+    from ray.util.tpu import get_tpu_worker_resources
+
+    try:
+        hosts, bundle = get_tpu_worker_resources(cluster.tpu_topology, cluster.tpu_version)
+    except ValueError as error:
+        raise ConfigError(
+            f"cluster.tpu_topology={cluster.tpu_topology} cluster.tpu_version="
+            f"{cluster.tpu_version} is no TPU slice Ray knows: {error}"
+        ) from None
+    shape = (hosts, int(bundle["TPU"]))
+    given = (cluster.hosts, cluster.devices_per_host)
+    if any(g not in (AUTO, s) for g, s in zip(given, shape, strict=True)):
+        raise ConfigError(
+            f"cluster.hosts={cluster.hosts} cluster.devices_per_host={cluster.devices_per_host}"
+            f", but a {cluster.tpu_topology} slice of {cluster.tpu_version} is {shape[0]} TPU "
+            f"VMs of {shape[1]} chips each; leave them -1"
+        )
+    return replace(cluster, hosts=shape[0], devices_per_host=shape[1])
+
+
 def device_resource(cluster: RayClusterConfig) -> str:
-    return "GPU" if cluster.platform == "gpu" else "CPU"
+    return DEVICE_RESOURCES[cluster.platform]
 
 
 def is_host(node: Node, cluster: RayClusterConfig) -> bool:
@@ -237,8 +266,8 @@ def host_bundle(cluster: ClusterConfig, devices_per_host: int) -> dict[str, floa
     """The resources one host's actor holds on a cluster: all its node's devices."""
     if cluster.name == "local":
         return {"CPU": 1.0}  # simulated devices need no Ray resources of their own
-    if cluster.platform == "gpu":
-        bundle = {"CPU": 1.0, "GPU": float(devices_per_host)}
+    if cluster.platform in ("gpu", "tpu"):
+        bundle = {"CPU": 1.0, device_resource(cluster): float(devices_per_host)}
     else:
         bundle = {"CPU": float(devices_per_host)}  # a CPU for each simulated device
     if cluster.host_resource:

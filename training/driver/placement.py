@@ -64,6 +64,7 @@ class RayHostGroup:
     calls: dict = field(default_factory=dict)
     returned_hosts: set = field(default_factory=set)  # hosts whose `train` call returned
     inbox: object = None  # the queue the hosts' events come through, once they train
+    tpu_slice: object = None  # Ray's reservation of a TPU slice (cluster.tpu_topology)
 
     @classmethod
     def request(
@@ -78,15 +79,28 @@ class RayHostGroup:
         bundles = host_bundles(cluster)
         _check_local_gpus_offered(cluster, bundles)
         name = f"{_job_group_prefix()}{uuid.uuid4().hex}"
-        placement = placement_group(bundles, strategy=placement_strategy(cluster), name=name)
-        group = cls(cluster, name, placement)
+        tpu_slice = _reserve_tpu_slice(cluster, name)
+        placement = (
+            tpu_slice.placement_group
+            if tpu_slice
+            else placement_group(bundles, strategy=placement_strategy(cluster), name=name)
+        )
+        group = cls(cluster, name, placement, tpu_slice=tpu_slice)
         try:
             group._start_actors(bundles, claim_standby)
-            group._join(join_timeout_s)
+            if not group._numbered_by_tpu_worker:
+                group._join(join_timeout_s)
         except BaseException:
             group.shutdown()
             raise
         return group
+
+    @property
+    def _numbered_by_tpu_worker(self) -> bool:
+        """TPU VMs of a Ray cluster: libtpu numbers the processes of a slice by their VM's
+        TPU worker id, and each host's `jax.distributed` process id must be that number, so
+        the hosts are numbered once they are placed (`identities`), and join after."""
+        return self.cluster.platform == "tpu" and self.cluster.name != "local"
 
     def wait_placed(self, notify: Callable[[str], None]) -> None:
         """Wait until every host is placed; a ConfigError after cluster.placement_timeout_s
@@ -133,6 +147,14 @@ class RayHostGroup:
         """Each host's identity, once its actor has started (within `bound_s`). The hosts'
         processes on this node are noted, to see them gone at shutdown."""
         identities = self._from_starting_hosts([a.identity.remote() for a in self.actors], bound_s)
+        if self._numbered_by_tpu_worker:
+            order = tpu_worker_order(identities)
+            self.actors = [self.actors[i] for i in order]
+            identities = [{**identities[i], "host": h} for h, i in enumerate(order)]
+            self._from_starting_hosts(
+                [a.renumber.remote(h) for h, a in enumerate(self.actors)], bound_s
+            )
+            self._join(bound_s)
         here = ray.get_runtime_context().get_node_id()
         self.local_pids = [i["pid"] for i in identities if i["node_id"] == here]
         return identities
@@ -206,12 +228,50 @@ class RayHostGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-        remove_placement_group(self.placement)
+        if self.tpu_slice is not None:
+            self.tpu_slice.shutdown()  # its hosts' placement group and the head's reservation
+        else:
+            remove_placement_group(self.placement)
         _stop_processes(self.local_pids)
         self.local_pids = []
         if self.inbox is not None:
             self.inbox.shutdown()
             self.inbox = None
+
+
+def tpu_worker_order(identities: list[dict]) -> list[int]:
+    """The hosts in their TPU VMs' worker order (hosts that report none after, as placed)."""
+    return sorted(
+        range(len(identities)),
+        key=lambda i: (
+            identities[i].get("tpu_worker_id") is None,
+            identities[i].get("tpu_worker_id") or 0,
+            i,
+        ),
+    )
+
+
+def _reserve_tpu_slice(cluster: ClusterConfig, name: str):
+    """A TPU slice reserved whole through Ray (`ray.util.tpu.slice_placement_group`: the
+    slice's head resource on its worker 0, then a bundle on each of its VMs), where the
+    cluster names one; None otherwise."""
+    if not getattr(cluster, "tpu_topology", ""):
+        return None
+    from ray.util.tpu import slice_placement_group
+
+    try:
+        return slice_placement_group(
+            cluster.tpu_topology,
+            cluster.tpu_version,
+            name=name,
+            head_reservation_timeout_s=cluster.placement_timeout_s,
+        )
+    except (TimeoutError, RuntimeError) as error:
+        raise ConfigError(
+            f"the Ray cluster could not reserve a {cluster.tpu_topology} slice of "
+            f"{cluster.tpu_version} within cluster.placement_timeout_s="
+            f"{cluster.placement_timeout_s:g}s: {str(error).splitlines()[0]}"
+        ) from None
 
 
 def outcome(ref) -> tuple[dict | None, Exception | None]:
@@ -260,15 +320,18 @@ def host_environments(cluster: ClusterConfig) -> list[dict[str, str]]:
     """Each host's environment: local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES;
     on a Ray cluster Ray sets it from the `GPU` count the actor holds."""
     local = cluster.name == "local"
-    gpus = host_gpus(cluster) if local else [None] * cluster.hosts
+    each_gpus = host_gpus(cluster) if local else [None] * cluster.hosts
     return [
         host_environment(
             cluster.platform,
             cluster.devices_per_host,
-            gpus=host,
+            gpus=gpus,
             inherited=dict(os.environ) if local else {},
+            # Several local hosts share this machine's TPU chips; on a Ray cluster a host has
+            # its VM's, which Ray makes visible to it.
+            tpu_share=(host, cluster.hosts) if local else None,
         )
-        for host in gpus
+        for host, gpus in enumerate(each_gpus)
     ]
 
 

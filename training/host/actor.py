@@ -71,7 +71,13 @@ class HostActor:
             "pid": os.getpid(),
             "niceness": os.nice(0),
             "gpus": self._gpus(),
+            "tpu_worker_id": _tpu_worker_id(context) if self.platform == "tpu" else None,
         }
+
+    def renumber(self, host_index: int) -> None:
+        """This host's number in the JAX cluster, given once the hosts are placed (on a TPU
+        slice, its VM's TPU worker id order: `training.driver.placement`)."""
+        self.host_index = host_index
 
     def _gpus(self) -> list[dict]:
         """The GPUs this host may use, by nvidia-smi index, kind and memory; [] on CPU."""
@@ -130,6 +136,12 @@ class HostActor:
         # output to.
         output = sent_to(send) if self._claimed else None
         return serve(self.host_index, cfg, mesh, send, self._stop.is_set, output)
+
+
+def _tpu_worker_id(context) -> int | None:
+    """This node's TPU worker id within its slice: Ray's node label, else libtpu's env."""
+    found = context.get_node_labels().get("ray.io/tpu-worker-id") or os.environ.get("TPU_WORKER_ID")
+    return int(found) if found not in (None, "") else None
 
 
 def _end_with(pid: int) -> None:
