@@ -85,12 +85,15 @@ def _pci_device_ids(devices: str) -> list[str]:
 
 
 def split_chips(chips: int, hosts: int) -> str | None:
-    """Why `hosts` processes cannot share `chips` chips of one VM; None where they can."""
+    """Why `hosts` processes cannot share `chips` chips of one VM; None where they can (one
+    process owns any number)."""
+    if hosts == 1:
+        return None
     if chips % hosts or chips // hosts not in PROCESS_BLOCK_BOUNDS or chips not in VM_CHIP_BOUNDS:
         blocks = ", ".join(str(n) for n in PROCESS_BLOCK_BOUNDS if n <= chips and chips % n == 0)
         return (
             f"libtpu lets processes share a TPU VM's {chips} chip(s) in blocks of "
-            f"{blocks or 'none'} chip(s) each; {hosts} host(s) would get {chips / hosts:g}"
+            f"{blocks or 'none'} chip(s) each; {hosts} host(s) would get {chips / hosts:.3g}"
         )
     return None
 

@@ -65,7 +65,8 @@ def test_cluster_config_passes_rays_validation_keeps_the_cluster_closed_and_inst
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     assert config["file_mounts"]["~/training"] == "."
     assert "security_group" not in config["provider"]  # no port opened beyond Ray's SSH rule
-    assert '$HOME/training[cuda]"' in " ".join(config["worker_setup_commands"])
+    # The hosts' jax: the CUDA build on GPU VMs, libtpu's on TPU VMs.
+    assert re.search(r'\$HOME/training\[(cuda|tpu)\]"', " ".join(config["worker_setup_commands"]))
 
 
 def gpu_node(name: str, gpus: int, **extra: float) -> Node:
@@ -147,10 +148,12 @@ class MultiNodeCluster:
 
 
 @contextmanager
-def cluster_process(log_dir: Path, hosts: int, cpus_per_host: int, head_cpus: int = 1):
+def cluster_process(
+    log_dir: Path, hosts: int, cpus_per_host: int, head_cpus: int = 1, tpu_pod: str = ""
+):
     """A head node of `head_cpus` CPUs and `hosts` host nodes (`cpus_per_host` CPUs and the
-    host resource each), with token authentication on and a token of its own, started in a
-    separate process."""
+    host resource each; or, with `tpu_pod` (`v4-16:4`), the VMs of a TPU slice), with token
+    authentication on and a token of its own, started in a separate process."""
     bin_dir = str(Path(sys.executable).parent)  # `python` and `ray` of this venv in jobs
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(
@@ -168,6 +171,7 @@ def cluster_process(log_dir: Path, hosts: int, cpus_per_host: int, head_cpus: in
                 *sizes,
                 HOST_RESOURCE,
                 str(head_cpus),
+                *([tpu_pod] if tpu_pod else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

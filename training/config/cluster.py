@@ -247,6 +247,8 @@ def _tpu_shape(hosts: int, per_host: int, chips: int) -> tuple[int, int]:
         raise ConfigError(_missing_devices("tpu"))
     if hosts == AUTO:
         hosts = 1 if per_host == AUTO else chips // per_host
+    if why := split_chips(chips, hosts):
+        raise ConfigError(f"cluster.hosts={hosts}: {why}")
     if per_host == AUTO:
         per_host = chips // hosts
     if hosts * per_host != chips:
@@ -254,8 +256,6 @@ def _tpu_shape(hosts: int, per_host: int, chips: int) -> tuple[int, int]:
             f"cluster.hosts={hosts} × cluster.devices_per_host={per_host} TPU chips is not "
             f"this machine's {chips}; give one of them (-1) to derive it"
         )
-    if why := split_chips(chips, hosts):
-        raise ConfigError(f"cluster.hosts={hosts}: {why}")
     return hosts, per_host
 
 
