@@ -117,7 +117,7 @@ def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemo
         "fits: use more devices or a smaller model"
     )
     return (
-        f"{oom}. By the plan (python -m training.plan), scaled by {scale:.2f} to the compiler's "
+        f"{oom}. By the plan (training.plan's memory), scaled by {scale:.2f} to the compiler's "
         f"figure for this step, {ways}"
     )
 
