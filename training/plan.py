@@ -203,15 +203,17 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
 
 
 def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
-    """The configured step compiled on this process's devices: what XLA says each holds,
-    beside the plan's figures."""
-    from training.parallel.compiled import measure_step
+    """The hosts' own step compiled on this process's devices (the machine's accelerator
+    where the run has it, else simulated CPU devices): what XLA says each holds, beside the
+    plan's figures."""
+    import jax
 
     configured = plan.configured
-    measured = measure_step(cfg, configured.mesh).memory
+    measured = compiled_host_step(cfg, configured.mesh)
     memory = configured.memory
+    where = f"{configured.mesh.devices} {jax.devices()[0].device_kind} device(s)"
     table = Table(
-        title=f"compiled on {configured.mesh.devices} devices, per device",
+        title=f"compiled on {where}, per device",
         title_justify="left",
         box=None,
         pad_edge=False,
@@ -227,9 +229,49 @@ def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         table.add_row(what, readable_bytes(predicted), readable_bytes(compiled), ratio)
     console.print(table)
     console.print(
-        "compiled: XLA's memory_analysis() of the train step: its arguments (the state and the "
-        "batch) and the temporaries it allocates"
+        "compiled: XLA's memory_analysis() of the hosts' step: its arguments (the state, the "
+        "metrics and the batch) and the temporaries it allocates"
     )
+
+
+def compiled_host_step(cfg: RunConfig, mesh: MeshShape):
+    """What the step the hosts run (`training.host.loop.CompiledStep`) holds per device,
+    compiled on this process's devices for the configured layout."""
+    import jax
+
+    from training.build import build_on_grid
+    from training.data import build_dataset
+    from training.host.loop import CompiledStep, batch_shardings, place
+    from training.parallel.mesh import device_grid, settled
+
+    if cfg.strategy.name != "data_parallel":  # as the driver settles it for the hosts
+        spec = build_dataset(cfg.data).spec
+        cfg = settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
+    model, dataset = build_on_grid(cfg, device_grid(jax.devices()[: mesh.devices], mesh))
+    rows = cfg.trainer.micro_batch
+    batch = dataset.batch("train", 0, rows, slice(0, rows))
+    step = CompiledStep(model, cfg.trainer.accumulate, 0)
+    step.compile(place(batch, batch_shardings(batch)))
+    return step.compiled_memory()
+
+
+ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
+
+
+def compile_where_the_run_would(cfg: RunConfig) -> None:
+    """`plan.compile`: on this machine's accelerator where the run's hosts would use it (a
+    local or in-process run on TPU or GPU), else on one simulated CPU device per device of
+    the cluster. Set before JAX first touches a device."""
+    import jax
+
+    on_this_machine = cfg.cluster.name in ("local", "inprocess")
+    if on_this_machine and cfg.cluster.platform in ACCELERATORS:
+        jax.config.update("jax_platforms", ACCELERATORS[cfg.cluster.platform])
+        return
+    devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
 
 
 def main(overrides: list[str]) -> int:
@@ -237,12 +279,7 @@ def main(overrides: list[str]) -> int:
     try:
         cfg = compose_run_config(overrides)
         if cfg.plan.compile:
-            # Read when JAX first touches a device, after these imports: one simulated CPU
-            # device per device of the cluster.
-            devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
-            flags = os.environ.get("XLA_FLAGS", "")
-            if "xla_force_host_platform_device_count" not in flags:
-                os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
+            compile_where_the_run_would(cfg)
         plan = make_plan(cfg)
     except ConfigError as error:
         errors.print(f"error: {error}")

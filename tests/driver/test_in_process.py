@@ -156,3 +156,17 @@ def test_the_in_process_host_refuses_a_jax_started_with_other_devices():
         InProcessClusterConfig(hosts=2)
     with pytest.raises(ConfigError, match="restarts need cluster=local"):
         run_config([*IN_PROCESS, "checkpoint.dir=/tmp/x", "fault.max_restarts=1"])
+
+
+def test_the_plan_compiles_the_step_the_hosts_run(capsys):
+    """`training.plan plan.compile=true` compiles the hosts' own step (on this machine's
+    accelerator where the run has one; here the in-process run's 8 CPU devices): its
+    arguments are the state the plan counts, plus the metrics' state and the batch."""
+    from training import plan
+
+    assert plan.main([*IN_PROCESS, "plan.compile=true"]) == 0
+    printed = capsys.readouterr().out
+    assert "compiled on 8 cpu device(s), per device" in printed
+    assert "the hosts' step" in printed
+    state = re.search(r"state \(weights, optimizer\)\s+\S+ \S+\s+\S+ \S+\s+([\d.]+)", printed)
+    assert 0.95 <= float(state.group(1)) <= 1.0, printed

@@ -130,6 +130,13 @@ class CompiledStep:
         self.memory_needed = step_need(self._compiled, batch_bytes(batch))
         return time.perf_counter() - started
 
+    def compiled_memory(self):
+        """What XLA's memory_analysis() says the compiled micro-step holds per device."""
+        from training.parallel.compiled import CompiledMemory
+
+        analysis = self._compiled.memory_analysis()
+        return CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes)
+
     def __call__(self, batch) -> None:
         """Dispatch one micro-batch; returns before the devices finish it."""
         self.state, self.metrics, self.carry = self._compiled(
