@@ -13,7 +13,7 @@ from training.config.trainer import ALL_HELD_OUT
 from training.contracts import ACTIVATION_RULE_SUFFIX, DataSpec, LayoutRules, VariableInfo
 from training.data import build_dataset
 from training.driver.checked import Checked, check_sizes
-from training.models.remat import remat_layers
+from training.models.remat import rematerialised
 from training.parallel import auto_layout, costs, fsdp, tensor_parallel
 from training.parallel.mesh import MeshShape
 from training.recipe import compile_model
@@ -26,9 +26,10 @@ def preflight(cfg: RunConfig) -> Checked:
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
-    model = models.abstract_model(cfg.model, data_spec)
+    model = rematerialised(
+        lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+    )
     models.check_labels_fit(cfg.model, model, data_spec)
-    remat_layers(model, cfg.trainer.remat)
     compile_model(model, cfg)
     figures = check_metrics_fit(
         cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0

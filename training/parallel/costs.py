@@ -20,7 +20,7 @@ from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
-from training.models.remat import remat_layers
+from training.models.remat import rematerialised
 from training.parallel.activations import activation_bytes
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
@@ -67,8 +67,9 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> Abs
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
         model = keras_model
         if model is None:
-            model = models.abstract_model(cfg.model, data_spec)
-            remat_layers(model, cfg.trainer.remat)
+            model = rematerialised(
+                lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+            )
         with models.without_weights():  # the slots stay abstract: none is allocated
             optimizer.build(model.trainable_variables)
     finally:
