@@ -44,6 +44,7 @@ from training.driver.display import (  # noqa: E402
     print_layout,
     print_parameters,
     print_summary,
+    print_warnings,
 )
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.placement import HostGroup, host_environments  # noqa: E402
@@ -110,6 +111,7 @@ def checked_and_run(
             hosts.shutdown()
             return completed_earlier(cfg, checked, output_dir, console), False
         print_parameters(checked.parameters, console)
+        print_warnings(checked.warnings, console)
         if checked.layout:
             print_layout(checked.layout, console)
         cfg = with_layout(cfg, checked)

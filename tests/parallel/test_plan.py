@@ -109,6 +109,41 @@ def test_plan_of_a_data_parallel_run_that_fits_has_no_warning():
     assert set(plan.speedups) == {1, 2, 4, 8}
 
 
+class CallsJax(keras.Model):
+    """A model whose call uses a jax function: it trains, but its call cannot run on Keras'
+    symbolic tensors, so the walk cannot trace its layer graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, x):
+        import jax
+
+        return self.dense(jax.numpy.tanh(x))
+
+
+def test_a_model_the_walk_cannot_trace_is_a_plan_warning_naming_the_error_and_fallback():
+    cfg = run_config(
+        [
+            "model=keras",
+            f"model.build={__name__}:CallsJax",
+            "model.loss=sparse_categorical_crossentropy",
+            "strategy=hybrid",
+            "mesh.data=2",
+            "mesh.model=4",
+            "trainer.global_batch=64",
+        ]
+    )
+    untraced = [w for w in make_plan(cfg).warnings if "layer graph" in w]
+    (warning,) = untraced
+    assert warning.startswith(
+        "the plan cannot follow the model's layer graph (its call on symbolic inputs raised "
+        "ValueError: Triggering __jax_array__() during abstractification"
+    ), warning
+    assert "estimated as the outputs its top-level layers recorded" in warning
+
+
 def test_plan_needs_the_cluster_size():
     with pytest.raises(ConfigError, match="cluster.hosts is read from the running cluster"):
         make_plan(run_config(["cluster=ray"]))

@@ -27,6 +27,8 @@ class Checked:
     # variable (or strategy.layout=auto's), and fsdp's split over `data`; None: data parallel.
     rules: LayoutRules | None = None
     parameters: dict[str, int] = field(default_factory=dict)  # build.count_parameters
+    # What the plan could not do exactly (`costs.untraced_warning`), shown before training.
+    warnings: tuple[str, ...] = ()
 
     @property
     def data_spec(self) -> DataSpec:

@@ -72,6 +72,7 @@ def preflight(cfg: RunConfig) -> Checked:
         layout,
         rules,
         count_parameters(model),
+        tuple(w for w in [costs.untraced_warning(model)] if w),
     )
 
 

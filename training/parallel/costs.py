@@ -26,6 +26,7 @@ from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.fsdp import shard_over_data, user_rules_only
+from training.parallel.layer_graph import untraceable
 from training.parallel.mesh import MeshShape
 from training.parallel.tensor_parallel import model_axis_collectives, output_rules
 from training.recipe.optimizer import build_optimizer
@@ -93,6 +94,21 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
         owner = next((path for prefix, path in prefixes if name.startswith(prefix)), None)
         paired.append((models.variable_info(variable), owner))
     return tuple(paired)
+
+
+def untraced_warning(keras_model) -> str | None:
+    """What the plan falls back to where the walk cannot trace the model's layer graph."""
+    why = untraceable(keras_model)
+    if why is None:
+        return None
+    return (
+        f"the plan cannot follow the model's layer graph ({why}): its activations are "
+        "estimated as the outputs its top-level layers recorded (none, where its call did not "
+        "run on symbolic inputs), what the model axis sends as a gather of each weight split "
+        "over `model`; strategy.layout=auto splits weights by their shapes alone, and no layer "
+        "output gets a layout rule. The memory and communication figures are rough: "
+        "plan.compile=true compares them with the compiled step"
+    )
 
 
 def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:
