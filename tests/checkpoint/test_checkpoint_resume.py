@@ -217,6 +217,15 @@ def test_hosts_views_that_disagree_name_each_host():
             "/ro", [view(0, "a", None), view(1, "b", None, writable="PermissionError: no")]
         )
 
+    # A host that cannot list the checkpoints sees none: it must not agree to start afresh.
+    unlisted = {**view(1, "b", None), "error": "OSError: stale file handle"}
+    with pytest.raises(CheckpointError) as error:
+        check_host_views("/shared/ckpt", [view(0, "a", None), unlisted], "token")
+    assert str(error.value) == (
+        "checkpoint.dir=/shared/ckpt cannot be read from host 1 on node-b, node bbbbbbbbbbbb "
+        "(OSError: stale file handle). Nothing was restored"
+    )
+
 
 def test_one_host_agrees_with_itself_and_leaves_no_marker(tmp_path):
     directory = str(tmp_path / "ckpt")
