@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import yaml
+from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from examples import make_data
@@ -48,7 +49,7 @@ def test_there_is_a_config_for_each_cloud_and_on_premise():
 def test_the_validation_rejects_a_misspelt_key():
     config = load_cluster_config(REPO / "cluster" / "aws.yaml")
     config["setup_comands"] = config.pop("setup_commands")
-    with pytest.raises(Exception, match="setup_comands"):
+    with pytest.raises(ValidationError, match=r"\('setup_comands' was unexpected\)"):
         validate_config(prepare_config(config))
 
 
