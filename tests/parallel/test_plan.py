@@ -224,9 +224,63 @@ MEMORY = {
 }
 
 
-@pytest.mark.parametrize("case", MEMORY)
+# Other depths, sequence lengths and batches than the rules above were fitted to, at the same
+# tolerance. Two are off by more, reported here rather than tuned for (plan / compiled peak):
+# the MLP under hybrid is over-predicted as its batch grows (batch 16 1.07, 64 1.27-1.29), and
+# a one-block transformer under hybrid at seq_len 256 and 8 examples is 1.15.
+OFF = "the plan over-predicts the compiled peak by more than 10 %: "
+UNTUNED = {
+    "mlp-fsdp-depth3-batch32": (
+        "fsdp",
+        MeshShape(8, 1),
+        ["model=mlp", "model.kwargs.depth=3", "trainer.global_batch=32"],
+    ),
+    "transformer-data_parallel-3layers-seq64-batch32": (
+        "data_parallel",
+        MeshShape(8, 1),
+        [*TRANSFORMER, "model.kwargs.layers=3", "model.seq_len=64", "trainer.global_batch=32"],
+    ),
+    "transformer-hybrid-dots-3layers-seq64": (
+        "hybrid",
+        MeshShape(2, 4),
+        [*TRANSFORMER, "model.kwargs.layers=3", "model.seq_len=64", "trainer.remat=dots"],
+    ),
+    "llama-fsdp-full-seq16": (
+        "fsdp",
+        MeshShape(8, 1),
+        [*LLAMA, "model.seq_len=16", "trainer.remat=full"],
+    ),
+    "mlp-hybrid-depth4-batch64": (
+        "hybrid",
+        MeshShape(2, 4),
+        ["model=mlp", "model.kwargs.depth=4", "trainer.global_batch=64"],
+    ),
+    "transformer-hybrid-1layer-seq256-batch8": (
+        "hybrid",
+        MeshShape(2, 4),
+        [*TRANSFORMER, "model.kwargs.layers=1", "model.seq_len=256", "trainer.global_batch=8"],
+    ),
+}
+OFF_BY = {"mlp-hybrid-depth4-batch64": 1.27, "transformer-hybrid-1layer-seq256-batch8": 1.15}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        *MEMORY,
+        *(
+            pytest.param(
+                case,
+                marks=pytest.mark.xfail(strict=True, reason=f"{OFF}{OFF_BY[case]}")
+                if case in OFF_BY
+                else (),
+            )
+            for case in UNTUNED
+        ),
+    ],
+)
 def test_planned_memory_matches_the_compiled_step(case):
-    strategy, mesh, overrides = MEMORY[case]
+    strategy, mesh, overrides = {**MEMORY, **UNTUNED}[case]
     predicted, measured = plan_and_step(strategy, mesh, tuple(overrides))
     memory = predicted.memory
     assert memory.state_bytes == pytest.approx(measured.memory.arguments, rel=0.10)
