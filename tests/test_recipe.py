@@ -146,11 +146,12 @@ WEIGHTED = classifier(
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, workdir):
     """Data parallel on 2 hosts × 4 devices, on the weighted data: the run the others are
-    compared with."""
+    compared with. It checkpoints at steps 3 and 6 (in `dp_ckpt`)."""
     here = os.getcwd()
     os.chdir(workdir)
+    checkpoints = [f"checkpoint.dir={workdir / 'dp_ckpt'}", "checkpoint.interval=3"]
     try:
-        yield train(workdir, WEIGHTED, "data_parallel")
+        yield train(workdir, [*WEIGHTED, *checkpoints], "data_parallel")
     finally:
         os.chdir(here)
 
@@ -202,9 +203,11 @@ def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_train
     rules = "model.layout_rules={conv2/kernel: [null, null, null, model]}"
     checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
 
-    # Stopped at step 3 and resumed under hybrid: the schedule goes on where it was, and
-    # the losses are the uninterrupted run's (another layout sums in another order).
-    train(workdir, [*WEIGHTED, *split, rules, checkpoints, "trainer.steps=3"], "first_half")
+    # Stopped at step 3 (the uninterrupted run's checkpoints without the last) and resumed
+    # under hybrid: the schedule goes on where it was, and the losses are the uninterrupted
+    # run's (another layout sums in another order).
+    shutil.copytree(workdir / "dp_ckpt", workdir / "ckpt")
+    shutil.rmtree(workdir / "ckpt" / str(STEPS))
     resumed, resumed_rows = train(workdir, [*WEIGHTED, *split, rules, checkpoints], "resumed")
     assert resumed["variable_shardings"]["conv2/kernel"] == "P(None, None, None, 'model')"
     assert resumed["resumed_from_step"] == 3
@@ -214,24 +217,25 @@ def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_train
     losses = [r["loss"] for r in rows[3:]]
     np.testing.assert_allclose([r["loss"] for r in resumed_rows], losses, rtol=1e-5)
 
-    # The run's held-out figures are the live sharded model's; the export's agree.
-    exported = evaluate_export(workdir, resumed["exported_model"], held="held_weighted.npz")
-    assert exported["loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
-
-    # training.export of the checkpoint written under 2 × 4 holds what the run exported.
+    # The run's held-out figures are the live sharded model's, and its export's, evaluated
+    # on one device; training.export of the checkpoint written under 2 × 4 holds what the
+    # run exported.
     result = run_module("training.export", str(workdir / "ckpt"), "cli.keras", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    same = one_device(
+    loss, pairs, same = one_device(
         workdir,
         f"""
         import json, keras, numpy as np
         a = keras.saving.load_model({resumed["exported_model"]!r})
+        held = np.load("held_weighted.npz")
+        loss = a.evaluate(held["x"], held["y"], batch_size={BATCH}, verbose=0)[0]
         b = keras.saving.load_model("cli.keras")
         pairs = list(zip(a.weights + a.optimizer.variables, b.weights + b.optimizer.variables))
-        print(json.dumps([len(pairs), all(np.array_equal(x, y) for x, y in pairs)]))
+        print(json.dumps([loss, len(pairs), all(np.array_equal(x, y) for x, y in pairs)]))
         """,
     )
-    assert same[0] > 12 and same[1]
+    assert loss == pytest.approx(resumed["eval_loss"], rel=1e-5)
+    assert pairs > 12 and same
 
 
 @pytest.mark.ray

@@ -62,8 +62,10 @@ def snapshot(directory: Path) -> dict[str, bytes]:
         (["strategy=data_parallel"], MeshShape(8, 1)),
     ],
 )
-def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, mesh):
-    saved = trained_checkpoint(tmp_path)
+def test_a_checkpoint_restores_resharded_onto_another_mesh(
+    tmp_path, saved_checkpoint, overrides, mesh
+):
+    saved = saved_checkpoint(tmp_path)
     cfg = run_config(FAST + overrides + [f"checkpoint.dir={tmp_path}"])
     grid = device_grid(jax.devices(), mesh)
     model, _ = build_on_grid(cfg, grid)
@@ -94,8 +96,8 @@ def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, 
     assert kernel.value.sharding.mesh.devices.size == grid.size == 8
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     before = snapshot(tmp_path)
     cfg = run_config(
         FAST + [f"checkpoint.dir={tmp_path}", "model.kwargs.hidden=128", "optimizer=sgd"]
@@ -108,8 +110,8 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     assert snapshot(tmp_path) == before
 
 
-def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     (tmp_path / "2" / "state" / "_METADATA").write_text("{ not json")
     before = snapshot(tmp_path)
     cfg = run_config(FAST + [f"checkpoint.dir={tmp_path}"])
@@ -120,9 +122,10 @@ def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
 
 def test_a_restart_resumes_from_the_newest_checkpoint_and_never_silently_from_an_older_one(
     tmp_path,
+    saved_checkpoint,
 ):
     directory = tmp_path / "ckpt"
-    trained_checkpoint(directory)
+    saved_checkpoint(directory)
     cfg = run_config(FAST + [f"checkpoint.dir={directory}"])
     assert restart_step(cfg, saved=0) == restart_step(cfg, saved=2) == 2
     assert restart_step(run_config(FAST), saved=0) == 0  # no checkpoints: from the start

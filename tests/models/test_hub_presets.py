@@ -89,8 +89,9 @@ BACKBONES = {"gemma": "GemmaBackbone", "llama": "LlamaBackbone", "transformers":
         ("gemma", "model_parallel", (1, 8)),
         ("gemma", "hybrid", (2, 4)),
         ("llama", "model_parallel", (1, 8)),
-        ("llama", "hybrid", (2, 4)),
-        ("transformers", "hybrid", (2, 4)),  # keras-hub converts it as it loads
+        # A Llama too (Llama3Backbone, under LlamaBackbone's layout), which keras-hub
+        # converts from the transformers format as it loads
+        ("transformers", "hybrid", (2, 4)),
     ],
     ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else value,
 )

@@ -9,7 +9,6 @@ import keras
 import pytest
 
 from tests.conftest import run_config
-from tests.models.test_transformer import TINY
 from training.config import ConfigError
 from training.data import build_dataset
 from training.parallel.compiled import measure_step
@@ -17,9 +16,12 @@ from training.parallel.costs import abstract_model, strategy_cost
 from training.parallel.mesh import MeshShape
 from training.plan import make_plan
 
+# The transformer's configurations are the memory cases' (MEMORY, below): one compiled step
+# (plan_and_step's cache) serves both tests.
+TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 CASES = {
-    "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TINY),
-    "transformer-hybrid": ("hybrid", MeshShape(2, 4), TINY),
+    "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TRANSFORMER),
+    "transformer-hybrid": ("hybrid", MeshShape(2, 4), TRANSFORMER),
     "mlp-hybrid": ("hybrid", MeshShape(2, 4), ["model=mlp"]),
 }
 # Weights split over `data` as well as `model` (FSDP-like, as keras-hub's layouts split them).
@@ -205,7 +207,6 @@ def test_bad_plan_hardware_is_an_error(override, message):
 # where it recomputes the last attention (each model and strategy under none, full and
 # dots: scripts/bench_memory.py).
 LLAMA = ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
-TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 MEMORY = {
     "mlp-data_parallel": ("data_parallel", MeshShape(8, 1), ["model=mlp"]),
     "mlp-fsdp": ("fsdp", MeshShape(8, 1), ["model=mlp"]),
