@@ -1,12 +1,16 @@
 """Tiny keras-hub presets written offline: a Gemma and a Llama causal LM with random weights
 and a SentencePiece tokenizer trained here on local text (no download). Sizes divide a
-(data=2, model=4) and a (data=1, model=8) mesh under the backbones' own layouts."""
+(data=2, model=4) and a (data=1, model=8) mesh under the backbones' own layouts. And a tiny
+Llama checkpoint in the transformers format (what a Hugging Face repository holds, which
+keras-hub converts as it loads), written here with numpy and safetensors."""
 
 from __future__ import annotations
 
 import io
 import json
 from pathlib import Path
+
+import numpy as np
 
 SEQ_LEN = 16
 SENTENCES = [
@@ -78,3 +82,59 @@ def write_instructions(path: Path, count: int = 48) -> Path:
             file.write(json.dumps({"prompt": prompt, "response": response, "text": sentence}))
             file.write("\n")
     return path
+
+
+def write_transformers_llama(directory: Path, seed: int = 7) -> Path:
+    """A `LlamaForCausalLM` checkpoint as transformers saves it: `config.json` (untied output
+    matrix), `model.safetensors` (weights as (out, in) matrices), a byte-level BPE
+    `tokenizer.json` without merges (every byte a token) and `tokenizer_config.json`."""
+    from keras_hub.src.tokenizers.byte_pair_tokenizer import bytes_to_unicode
+    from safetensors.numpy import save_file
+
+    hidden, intermediate, layers, heads, vocabulary = 64, 128, 2, 8, 260
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocabulary,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, columns: int) -> np.ndarray:
+        return (rng.normal(size=(rows, columns)) * 0.05).astype("float32")
+
+    ones = np.ones(hidden, "float32")
+    weights = {
+        "model.embed_tokens.weight": matrix(vocabulary, hidden),
+        "lm_head.weight": matrix(vocabulary, hidden),
+        "model.norm.weight": ones,
+    }
+    for i in range(layers):
+        layer = f"model.layers.{i}"
+        weights |= {
+            f"{layer}.input_layernorm.weight": ones,
+            f"{layer}.post_attention_layernorm.weight": ones,
+            **{f"{layer}.self_attn.{p}_proj.weight": matrix(hidden, hidden) for p in "qkvo"},
+            f"{layer}.mlp.gate_proj.weight": matrix(intermediate, hidden),
+            f"{layer}.mlp.up_proj.weight": matrix(intermediate, hidden),
+            f"{layer}.mlp.down_proj.weight": matrix(hidden, intermediate),
+        }
+    save_file(weights, str(directory / "model.safetensors"))
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode()[1])}
+    tokenizer = {
+        "model": {"type": "BPE", "vocab": vocab, "merges": []},
+        "added_tokens": [{"id": len(vocab) + i, "content": t} for i, t in enumerate(special)],
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    tokens = {"bos_token": special[0], "eos_token": special[1]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokens))
+    return directory

@@ -1,9 +1,11 @@
 """The training recipe end to end on 2 hosts × 4 devices: a classifier (BatchNormalization,
 Dropout, logits) from a file outside the package, AdamW with a cosine schedule, clipping and
-accuracy; sample weights; the model exported in Keras' format and loaded in a plain
-one-device process; resuming the schedule; training.export; early stopping and the best
-checkpoint. Each figure is compared with an independent reference: Keras' own schedule and
-EarlyStopping, a one-device Keras run or evaluation on the same rows."""
+accuracy, each step in 2 accumulated micro-batches; sample weights; the model exported in
+Keras' format and loaded in a plain one-device process; resuming the schedule;
+training.export; early stopping and the best checkpoint. Each figure is compared with an
+independent reference: Keras' own schedule and EarlyStopping, a one-device plain Keras loop
+that accumulates by hand (`tests/single_device_reference.py`), or evaluation on the same
+rows."""
 
 import json
 import os
@@ -36,9 +38,6 @@ def workdir(tmp_path_factory):
     np.savez(directory / "held.npz", **held)
     weights = (np.arange(512) % 2).astype(np.float32)  # every other row weighs nothing
     np.savez(directory / "weighted.npz", **train, sample_weight=weights)
-    # The same rows with the zero-weighted rows' labels changed: nothing may change.
-    scrambled = {**train, "y": np.where(weights == 0, (train["y"] + 3) % 10, train["y"])}
-    np.savez(directory / "scrambled.npz", **scrambled, sample_weight=weights)
     np.savez(directory / "held_weighted.npz", **held, sample_weight=np.ones(HELD_OUT, np.float32))
     return directory
 
@@ -81,10 +80,11 @@ def train(workdir: Path, overrides: list[str], name: str) -> tuple[dict, list[di
 
 def one_device(workdir: Path, script: str) -> dict:
     """What `script` prints as JSON, run in a fresh process with one CPU device and no
-    distribution, from `workdir`."""
+    distribution, from `workdir`. The process imports the project's schedules: the runs
+    accumulate micro-batches, and their exports name `training>PerUpdate`."""
     env = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax"}
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [sys.executable, "-c", "import training.recipe.schedules\n" + textwrap.dedent(script)],
         cwd=workdir,
         env={**os.environ, **env},
         capture_output=True,
@@ -111,15 +111,17 @@ def evaluate_export(workdir: Path, model: str, held: str = "held.npz") -> dict:
     )
 
 
-def reference_losses(workdir: Path, overrides: list[str]) -> list[float]:
-    result = subprocess.run(
-        [sys.executable, str(REFERENCE), json.dumps(overrides)],
+def reference(workdir: Path, overrides: list[str]) -> dict[str, np.ndarray]:
+    """The one-device plain Keras run's variables by path and its figures per step
+    (`step_loss`, `step_learning_rate`, `step_accuracy`)."""
+    subprocess.run(
+        [sys.executable, str(REFERENCE), "--record", str(workdir), json.dumps(overrides)],
         cwd=workdir,
         capture_output=True,
         text=True,
         check=True,
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return dict(np.load(workdir / "0.npz"))
 
 
 def keras_cosine(steps: int) -> list[float]:
@@ -132,17 +134,24 @@ def keras_cosine(steps: int) -> list[float]:
     return [float(schedule(step)) for step in range(steps)]
 
 
-WEIGHTED = classifier(*RECIPE, data="weighted.npz", held="held_weighted.npz")
+WEIGHTED = classifier(
+    *RECIPE,
+    "trainer.accumulate=2",
+    "model.weighted_metrics=[accuracy]",  # Keras names it weighted_accuracy beside accuracy
+    data="weighted.npz",
+    held="held_weighted.npz",
+)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, workdir):
     """Data parallel on 2 hosts × 4 devices, on the weighted data: the run the others are
-    compared with."""
+    compared with. It checkpoints at steps 3 and 6 (in `dp_ckpt`)."""
     here = os.getcwd()
     os.chdir(workdir)
+    checkpoints = [f"checkpoint.dir={workdir / 'dp_ckpt'}", "checkpoint.interval=3"]
     try:
-        yield train(workdir, WEIGHTED, "data_parallel")
+        yield train(workdir, [*WEIGHTED, *checkpoints], "data_parallel")
     finally:
         os.chdir(here)
 
@@ -151,22 +160,37 @@ def uninterrupted(ray_cluster, workdir):
 def test_a_classifier_trains_with_the_recipe_and_its_export_evaluates_alike_on_one_device(
     uninterrupted, workdir
 ):
+    import keras
+
     summary, rows = uninterrupted
     assert summary["status"] == "completed"
+    # Each step's update at Keras' schedule of the update count, not of the micro-batches.
     assert [row["learning_rate"] for row in rows] == pytest.approx(keras_cosine(STEPS), rel=1e-6)
-    assert all(0 <= row["accuracy"] <= 1 for row in rows)
-    assert summary["metric_names"] == ["accuracy"] and summary["eval_perplexity"] is None
+    assert summary["metric_names"] == ["accuracy", "weighted_accuracy"]
+    assert summary["eval_perplexity"] is None
 
-    # Sample weights reach the loss: rows that weigh nothing change nothing, on one device
-    # in plain Keras as here (their labels changed, the losses are the same).
-    scrambled = classifier(*RECIPE, data="scrambled.npz", held="held_weighted.npz")
-    expected = reference_losses(workdir, scrambled)
-    np.testing.assert_allclose([row["loss"] for row in rows], expected, rtol=1e-4)
+    # The same steps by hand in plain Keras on one device, each micro-batch's gradient
+    # averaged before one update: the same losses (sample weights reach the loss: half the
+    # rows weigh nothing), accuracy of each step's rows (and weighted by them), rates and
+    # trained weights.
+    expected = reference(workdir, WEIGHTED)
+    np.testing.assert_allclose([row["loss"] for row in rows], expected["step_loss"], rtol=1e-4)
+    for metric in ("accuracy", "weighted_accuracy"):
+        logged = [row[metric] for row in rows]
+        assert logged == pytest.approx(expected[f"step_{metric}"], abs=1e-6), metric
+    assert [row["learning_rate"] for row in rows] == pytest.approx(
+        expected["step_learning_rate"], rel=1e-6
+    )
+    exported = keras.saving.load_model(summary["exported_model"], compile=False)
+    for weight in exported.weights:
+        np.testing.assert_allclose(
+            weight.numpy(), expected[weight.path], rtol=1e-4, atol=1e-6, err_msg=weight.path
+        )
 
     # The export, opened by plain Keras on one device, on every held-out row once.
-    exported = evaluate_export(workdir, summary["exported_model"], held="held_weighted.npz")
-    assert exported["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
-    assert exported["accuracy"] == pytest.approx(summary["eval_accuracy"], rel=1e-5)
+    evaluated = evaluate_export(workdir, summary["exported_model"], held="held_weighted.npz")
+    assert evaluated["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    assert evaluated["accuracy"] == pytest.approx(summary["eval_accuracy"], rel=1e-5)
 
 
 @pytest.mark.ray
@@ -179,9 +203,11 @@ def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_train
     rules = "model.layout_rules={conv2/kernel: [null, null, null, model]}"
     checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
 
-    # Stopped at step 3 and resumed under hybrid: the schedule goes on where it was, and
-    # the losses are the uninterrupted run's (another layout sums in another order).
-    train(workdir, [*WEIGHTED, *split, rules, checkpoints, "trainer.steps=3"], "first_half")
+    # Stopped at step 3 (the uninterrupted run's checkpoints without the last) and resumed
+    # under hybrid: the schedule goes on where it was, and the losses are the uninterrupted
+    # run's (another layout sums in another order).
+    shutil.copytree(workdir / "dp_ckpt", workdir / "ckpt")
+    shutil.rmtree(workdir / "ckpt" / str(STEPS))
     resumed, resumed_rows = train(workdir, [*WEIGHTED, *split, rules, checkpoints], "resumed")
     assert resumed["variable_shardings"]["conv2/kernel"] == "P(None, None, None, 'model')"
     assert resumed["resumed_from_step"] == 3
@@ -191,24 +217,25 @@ def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_train
     losses = [r["loss"] for r in rows[3:]]
     np.testing.assert_allclose([r["loss"] for r in resumed_rows], losses, rtol=1e-5)
 
-    # The run's held-out figures are the live sharded model's; the export's agree.
-    exported = evaluate_export(workdir, resumed["exported_model"], held="held_weighted.npz")
-    assert exported["loss"] == pytest.approx(resumed["eval_loss"], rel=1e-5)
-
-    # training.export of the checkpoint written under 2 × 4 holds what the run exported.
+    # The run's held-out figures are the live sharded model's, and its export's, evaluated
+    # on one device; training.export of the checkpoint written under 2 × 4 holds what the
+    # run exported.
     result = run_module("training.export", str(workdir / "ckpt"), "cli.keras", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    same = one_device(
+    loss, pairs, same = one_device(
         workdir,
         f"""
         import json, keras, numpy as np
         a = keras.saving.load_model({resumed["exported_model"]!r})
+        held = np.load("held_weighted.npz")
+        loss = a.evaluate(held["x"], held["y"], batch_size={BATCH}, verbose=0)[0]
         b = keras.saving.load_model("cli.keras")
         pairs = list(zip(a.weights + a.optimizer.variables, b.weights + b.optimizer.variables))
-        print(json.dumps([len(pairs), all(np.array_equal(x, y) for x, y in pairs)]))
+        print(json.dumps([loss, len(pairs), all(np.array_equal(x, y) for x, y in pairs)]))
         """,
     )
-    assert same[0] > 12 and same[1]
+    assert loss == pytest.approx(resumed["eval_loss"], rel=1e-5)
+    assert pairs > 12 and same
 
 
 @pytest.mark.ray

@@ -12,7 +12,7 @@ from training import models
 from training.config import RunConfig
 from training.contracts import DataSpec
 from training.data import build_dataset
-from training.models.remat import remat_layers, remat_scope
+from training.models.remat import rematerialised
 from training.parallel.fsdp import gather_for_use
 from training.parallel.mesh import build_distribution
 from training.recipe import compile_model
@@ -43,9 +43,9 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
     keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    with remat_scope(cfg.trainer.remat):
-        model = models.build_model(cfg.model, data_spec)
-    remat_layers(model, cfg.trainer.remat)
+    model = rematerialised(
+        lambda: models.build_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+    )
     compile_model(model, cfg)
     # The optimizer and the compiled metrics built now rather than at the first step, so
     # that a checkpoint can be restored into them and the step carries every metric.

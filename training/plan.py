@@ -22,7 +22,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
-from training.driver.display import print_layout  # noqa: E402
+from training.driver.display import print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.models.remat import cpu_xla_flags  # noqa: E402
@@ -77,7 +77,7 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         configured,
         alternatives,
         predicted_speedups(cfg, model, configured),
-        launch_warnings(cfg, model, configured),
+        [*checked.warnings, *launch_warnings(cfg, model, configured)],
         checked.layout,
     )
 
@@ -198,8 +198,7 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         + ", ".join(f"{n} devices {s:.3g}×" for n, s in plan.speedups.items()),
         markup=False,
     )
-    for warning in plan.warnings:
-        console.print(f"warning: {warning}", style="yellow", markup=False)
+    print_warnings(plan.warnings, console)
 
 
 def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:

@@ -42,6 +42,7 @@ from training.driver.display import (  # noqa: E402
     print_layout,
     print_parameters,
     print_summary,
+    print_warnings,
 )
 from training.driver.failures import HostFailure  # noqa: E402
 from training.driver.hosts import hosts_reachable, request_hosts, sized_to_cluster  # noqa: E402
@@ -108,6 +109,7 @@ def checked_and_run(
             hosts.shutdown()
             return completed_earlier(cfg, checked, output_dir, console), False
         print_parameters(checked.parameters, console)
+        print_warnings(checked.warnings, console)
         if checked.layout:
             print_layout(checked.layout, console)
         cfg = with_layout(cfg, checked)

@@ -1,7 +1,9 @@
 """Checkpoints in one process on the 8 test devices: resharded restore, and the driver's
-checks of a checkpoint directory (another model, corrupt, unwritable, an interrupted save)."""
+checks of a checkpoint directory (another model, corrupt, unwritable, an interrupted save, one
+that lost its checkpoints before a restart)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,8 +16,8 @@ import pytest
 
 from tests.conftest import FAST, run_config
 from training.build import build_on_grid
-from training.checkpoint.inspection import inspect_checkpoints
-from training.config import ConfigError
+from training.checkpoint.inspection import inspect_checkpoints, restart_step, saved_before
+from training.config import CheckpointConfig, ConfigError
 from training.driver.preflight import preflight
 from training.host.checkpoints import HostCheckpoints
 from training.parallel.compiled import held_bytes
@@ -60,8 +62,10 @@ def snapshot(directory: Path) -> dict[str, bytes]:
         (["strategy=data_parallel"], MeshShape(8, 1)),
     ],
 )
-def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, mesh):
-    saved = trained_checkpoint(tmp_path)
+def test_a_checkpoint_restores_resharded_onto_another_mesh(
+    tmp_path, saved_checkpoint, overrides, mesh
+):
+    saved = saved_checkpoint(tmp_path)
     cfg = run_config(FAST + overrides + [f"checkpoint.dir={tmp_path}"])
     grid = device_grid(jax.devices(), mesh)
     model, _ = build_on_grid(cfg, grid)
@@ -92,8 +96,8 @@ def test_a_checkpoint_restores_resharded_onto_another_mesh(tmp_path, overrides, 
     assert kernel.value.sharding.mesh.devices.size == grid.size == 8
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     before = snapshot(tmp_path)
     cfg = run_config(
         FAST + [f"checkpoint.dir={tmp_path}", "model.kwargs.hidden=128", "optimizer=sgd"]
@@ -106,14 +110,49 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     assert snapshot(tmp_path) == before
 
 
-def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     (tmp_path / "2" / "state" / "_METADATA").write_text("{ not json")
     before = snapshot(tmp_path)
     cfg = run_config(FAST + [f"checkpoint.dir={tmp_path}"])
     with pytest.raises(ConfigError, match="checkpoint at step 2 .* cannot be read .*Nothing was"):
         preflight(cfg)
     assert snapshot(tmp_path) == before
+
+
+def test_a_restart_resumes_from_the_newest_checkpoint_and_never_silently_from_an_older_one(
+    tmp_path,
+    saved_checkpoint,
+):
+    directory = tmp_path / "ckpt"
+    saved_checkpoint(directory)
+    cfg = run_config(FAST + [f"checkpoint.dir={directory}"])
+    assert restart_step(cfg, saved=0) == restart_step(cfg, saved=2) == 2
+    assert restart_step(run_config(FAST), saved=0) == 0  # no checkpoints: from the start
+
+    (directory / "2" / "state" / "_METADATA").unlink()  # listed, but not readable
+    with pytest.raises(ConfigError, match=r"checkpoint at step 2 in checkpoint.dir=.* cannot be"):
+        restart_step(cfg, saved=2)
+
+    shutil.rmtree(directory)
+    directory.write_text("")  # not a directory: orbax itself would list no checkpoint in it
+    with pytest.raises(ConfigError, match=r"checkpoints in .* cannot be read \(NotADirectory"):
+        restart_step(cfg, saved=2)
+
+    directory.unlink()  # gone
+    with pytest.raises(ConfigError) as error:
+        restart_step(cfg, saved=2)
+    assert str(error.value) == (
+        f"checkpoint.dir={directory} held a checkpoint at step 2, but holds none now: a restart "
+        "would train again from step 0. Restore the directory and run the same command to "
+        "resume"
+    )
+
+
+def test_hosts_past_a_checkpoint_interval_have_saved_it():
+    every_5 = CheckpointConfig(dir="/ckpt", interval=5)
+    assert [saved_before(step, every_5) for step in (0, 4, 5, 6, 10, 11)] == [0, 0, 0, 5, 5, 10]
+    assert saved_before(11, CheckpointConfig(interval=5)) == 0  # no checkpoint.dir
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_and_kept(tmp_path):

@@ -16,7 +16,7 @@ from hydra_plugins.training_launcher.host_group_launcher import (
     fixed_override_keys,
     trial_checkpoint_id,
 )
-from tests.checkpoint.test_checkpoint import HYBRID, snapshot, trained_checkpoint
+from tests.checkpoint.test_checkpoint import HYBRID, snapshot
 from tests.conftest import FAST, run_config
 from training.build import build_on_grid
 from training.checkpoint.storage import CheckpointError, checkpoint_path, open_manager
@@ -92,8 +92,8 @@ def slots(model) -> dict[str, np.ndarray]:
     return {v.path.split("/", 1)[1]: np.asarray(v.value) for v in model.optimizer.variables}
 
 
-def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     before = snapshot(tmp_path)
     changed = [
         "optimizer.learning_rate=0.0001",
@@ -130,8 +130,8 @@ def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path):
         preflight(cfg)
 
 
-def test_allow_changes_lets_a_named_difference_through(tmp_path):
-    saved = trained_checkpoint(tmp_path)
+def test_allow_changes_lets_a_named_difference_through(tmp_path, saved_checkpoint):
+    saved = saved_checkpoint(tmp_path)
     overrides = [
         f"checkpoint.dir={tmp_path}",
         "optimizer.learning_rate=0.0001",
@@ -147,8 +147,8 @@ def test_allow_changes_lets_a_named_difference_through(tmp_path):
     np.testing.assert_array_equal(np.asarray(kernel.value), saved["model[2]"])
 
 
-def test_a_checkpoint_saved_by_position_is_refused_by_name(tmp_path):
-    trained_checkpoint(tmp_path)
+def test_a_checkpoint_saved_by_position_is_refused_by_name(tmp_path, saved_checkpoint):
+    saved_checkpoint(tmp_path)
     record_file = tmp_path / "2" / "record" / "metadata"
     record = json.loads(record_file.read_text())
     del record["format"]
@@ -217,11 +217,20 @@ def test_hosts_views_that_disagree_name_each_host():
             "/ro", [view(0, "a", None), view(1, "b", None, writable="PermissionError: no")]
         )
 
+    # A host that cannot list the checkpoints sees none: it must not agree to start afresh.
+    unlisted = {**view(1, "b", None), "error": "OSError: stale file handle"}
+    with pytest.raises(CheckpointError) as error:
+        check_host_views("/shared/ckpt", [view(0, "a", None), unlisted], "token")
+    assert str(error.value) == (
+        "checkpoint.dir=/shared/ckpt cannot be read from host 1 on node-b, node bbbbbbbbbbbb "
+        "(OSError: stale file handle). Nothing was restored"
+    )
 
-def test_one_host_agrees_with_itself_and_leaves_no_marker(tmp_path):
+
+def test_one_host_agrees_with_itself_and_leaves_no_marker(tmp_path, saved_checkpoint):
     directory = str(tmp_path / "ckpt")
     assert agree_on_directory(directory) is None
-    trained_checkpoint(tmp_path / "ckpt")
+    saved_checkpoint(tmp_path / "ckpt")
     assert agree_on_directory(directory) == 2
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]
     view = host_view(directory)

@@ -1,12 +1,14 @@
 """Real clusters: the `ray up` configs, sizing a run from the cluster's nodes, and runs on a
 multi-node Ray cluster on this machine (submitted as a Ray job, as on a real cluster)."""
 
+import io
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -19,14 +21,17 @@ import numpy as np
 import psutil
 import pytest
 import yaml
+from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
+from rich.console import Console
 
 from examples import make_data
-from tests.conftest import FAST, run_config
+from tests.conftest import FAST, assert_no_actor_left, run_config
 from training.config import ConfigError, RayClusterConfig
+from training.driver import standby_hosts
 from training.driver.cluster import Node, host_bundle, join_running, sized_from_nodes
 from training.host.environment import host_environment
-from training.run import run_training
+from training.run import leave_standby_hosts, run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +53,7 @@ def test_there_is_a_config_for_each_cloud_and_on_premise():
 def test_the_validation_rejects_a_misspelt_key():
     config = load_cluster_config(REPO / "cluster" / "aws.yaml")
     config["setup_comands"] = config.pop("setup_commands")
-    with pytest.raises(Exception, match="setup_comands"):
+    with pytest.raises(ValidationError, match=r"\('setup_comands' was unexpected\)"):
         validate_config(prepare_config(config))
 
 
@@ -292,6 +297,50 @@ def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(
             assert len(gone) == 2, "the claimed hosts outlived their driver"
         finally:
             second.kill()
+
+
+@pytest.mark.ray
+def test_standby_hosts_false_leaves_none_and_ends_those_an_earlier_run_left(ray_cluster):
+    """What a run that ends on the instance does with `cluster.standby_hosts` (training.run
+    leaves its hosts only where it is true)."""
+    console = Console(file=io.StringIO())
+    kept = run_config(["cluster.standby_hosts=true"]).cluster
+    leave_standby_hosts(kept, kept.standby_hosts, console)
+    assert len(standby_hosts.standing()) == kept.hosts == 2
+    off = run_config(["cluster.standby_hosts=false"]).cluster
+    leave_standby_hosts(off, off.standby_hosts, console)
+    assert standby_hosts.standing() == []
+    assert_no_actor_left()
+
+
+def test_a_standby_host_is_claimed_only_by_a_run_of_the_same_hosts_and_installed_code(
+    tmp_path, monkeypatch
+):
+    """The key a standby host is named by changes with the hosts, platform and environment,
+    with a package installed or removed (a site-packages directory's time) and with any file
+    of this package, and with nothing else."""
+    package, site_packages = tmp_path / "training", tmp_path / "site-packages"
+    package.mkdir()
+    site_packages.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "run.py").write_text("print('run')\n")
+    monkeypatch.setattr(standby_hosts.training, "__file__", str(package / "__init__.py"))
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(site_packages)])
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+    def key(hosts: int = 2, platform: str = "cpu", environment=None) -> str:
+        return standby_hosts._name(0, hosts, platform, env if environment is None else environment)
+
+    first = key()
+    assert key() == first
+    others = {key(hosts=4), key(platform="gpu"), key(environment={**env, "A": "1"})}
+    (package / "run.py").write_text("print('edited')\n")
+    edited = key()
+    (package / "models.py").write_text("")
+    added = key()
+    os.utime(site_packages, ns=(0, 10**18))  # a package installed or removed
+    installed = key()
+    assert len({first, *others, edited, added, installed}) == 7
 
 
 def _standby_hosts(cluster: MultiNodeCluster, count: int) -> set[int]:

@@ -1,11 +1,13 @@
 """keras-hub presets in: a tiny Gemma and a tiny Llama preset written here offline
-(`tests/hub_presets.py`), loaded with `model.preset` on the 8 in-process CPU devices under
+(`tests/hub_presets.py`), and a tiny Llama in the transformers format (a Hugging Face
+checkpoint), loaded with `model.preset` on the 8 in-process CPU devices under
 model parallel 1 × 8 and hybrid 2 × 4, compared with the same preset on one device; text
 from a JSON-lines file through the preset's tokenizer; LoRA; weights from `model.init_from`;
 a user's own build function that loads a preset and adds LoRA. No Ray."""
 
 import json
 import re
+import shutil
 import textwrap
 
 import pytest
@@ -17,7 +19,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tests.conftest import run_config  # noqa: E402
-from tests.hub_presets import SEQ_LEN, write_instructions, write_preset  # noqa: E402
+from tests.hub_presets import (  # noqa: E402
+    SEQ_LEN,
+    write_instructions,
+    write_preset,
+    write_transformers_llama,
+)
 from training.build import build_compiled, build_on_grid  # noqa: E402
 from training.config import ConfigError  # noqa: E402
 from training.data import build_dataset  # noqa: E402
@@ -33,6 +40,7 @@ def presets(tmp_path_factory):
         "gemma": write_preset("gemma", root / "gemma"),
         "llama": write_preset("llama", root / "llama"),
         "no_tokenizer": write_preset("gemma", root / "bare", with_tokenizer=False),
+        "transformers": write_transformers_llama(root / "transformers"),
         "jsonl": write_instructions(root / "train.jsonl"),
     }
 
@@ -72,9 +80,20 @@ def grid_of(data: int, model: int) -> np.ndarray:
     return np.array(jax.devices()).reshape(data, model)
 
 
-@pytest.mark.parametrize("family", ["gemma", "llama"])
+BACKBONES = {"gemma": "GemmaBackbone", "llama": "LlamaBackbone", "transformers": "Llama3Backbone"}
+
+
 @pytest.mark.parametrize(
-    "strategy,shape", [("model_parallel", (1, 8)), ("hybrid", (2, 4))], ids=["1x8", "2x4"]
+    "family,strategy,shape",
+    [
+        ("gemma", "model_parallel", (1, 8)),
+        ("gemma", "hybrid", (2, 4)),
+        ("llama", "model_parallel", (1, 8)),
+        # A Llama too (Llama3Backbone, under LlamaBackbone's layout), which keras-hub
+        # converts from the transformers format as it loads
+        ("transformers", "hybrid", (2, 4)),
+    ],
+    ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else value,
 )
 def test_a_preset_loads_laid_out_by_its_backbone_and_its_first_loss_is_one_devices(
     presets, family, strategy, shape
@@ -96,7 +115,7 @@ def test_a_preset_loads_laid_out_by_its_backbone_and_its_first_loss_is_one_devic
         specs = {v.path: tuple(v.value.sharding.spec) for v in model.variables}
         mesh = keras.distribution.DeviceMesh(shape, ["data", "model"], devices=jax.devices())
         backbone = type(model.task.backbone)
-        assert backbone is getattr(keras_hub.models, f"{family.title()}Backbone")
+        assert backbone is getattr(keras_hub.models, BACKBONES[family])
         layouts = backbone.get_layout_map(mesh, "model", "data")
         for key in layouts:
             matched = [path for path in specs if re.fullmatch(key, path)]
@@ -109,6 +128,25 @@ def test_a_preset_loads_laid_out_by_its_backbone_and_its_first_loss_is_one_devic
         keras.distribution.set_distribution(None)
     assert losses[0] == pytest.approx(one_device_loss(presets[family], x, y, weights), rel=1e-4)
     assert losses[-1] < losses[0], losses
+
+
+def test_the_driver_checks_a_transformers_checkpoint_without_reading_its_weights(presets, tmp_path):
+    """keras-hub converts a transformers-format checkpoint as it reads it: the layout comes
+    from its converted config (the untied output matrix split as the embedding, transposed),
+    and the driver's build asks for no weight, so a weights file it could not read passes."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(presets["transformers"], checkpoint)
+    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    overrides = preset_overrides(
+        {**presets, "transformers": checkpoint}, "transformers", "strategy=hybrid", "mesh.data=2"
+    )
+    checked = preflight(run_config([*overrides, "mesh.model=4"]))
+    assert checked.rules["token_embedding/embeddings"] == ("model", "data")
+    assert checked.rules["token_embedding/reverse_embeddings"] == ("data", "model")
+    assert (
+        checked.parameters["parameters"]
+        == 2 * 260 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 128) + 64
+    )
 
 
 def test_text_is_packed_as_keras_hubs_preprocessor_packs_it(presets):

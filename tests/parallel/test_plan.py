@@ -9,7 +9,6 @@ import keras
 import pytest
 
 from tests.conftest import run_config
-from tests.models.test_transformer import TINY
 from training.config import ConfigError
 from training.data import build_dataset
 from training.parallel.compiled import measure_step
@@ -17,9 +16,12 @@ from training.parallel.costs import abstract_model, strategy_cost
 from training.parallel.mesh import MeshShape
 from training.plan import make_plan
 
+# The transformer's configurations are the memory cases' (MEMORY, below): one compiled step
+# (plan_and_step's cache) serves both tests.
+TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 CASES = {
-    "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TINY),
-    "transformer-hybrid": ("hybrid", MeshShape(2, 4), TINY),
+    "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TRANSFORMER),
+    "transformer-hybrid": ("hybrid", MeshShape(2, 4), TRANSFORMER),
     "mlp-hybrid": ("hybrid", MeshShape(2, 4), ["model=mlp"]),
 }
 # Weights split over `data` as well as `model` (FSDP-like, as keras-hub's layouts split them).
@@ -109,6 +111,41 @@ def test_plan_of_a_data_parallel_run_that_fits_has_no_warning():
     assert set(plan.speedups) == {1, 2, 4, 8}
 
 
+class CallsJax(keras.Model):
+    """A model whose call uses a jax function: it trains, but its call cannot run on Keras'
+    symbolic tensors, so the walk cannot trace its layer graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, x):
+        import jax
+
+        return self.dense(jax.numpy.tanh(x))
+
+
+def test_a_model_the_walk_cannot_trace_is_a_plan_warning_naming_the_error_and_fallback():
+    cfg = run_config(
+        [
+            "model=keras",
+            f"model.build={__name__}:CallsJax",
+            "model.loss=sparse_categorical_crossentropy",
+            "strategy=hybrid",
+            "mesh.data=2",
+            "mesh.model=4",
+            "trainer.global_batch=64",
+        ]
+    )
+    untraced = [w for w in make_plan(cfg).warnings if "layer graph" in w]
+    (warning,) = untraced
+    assert warning.startswith(
+        "the plan cannot follow the model's layer graph (its call on symbolic inputs raised "
+        "ValueError: Triggering __jax_array__() during abstractification"
+    ), warning
+    assert "estimated as the outputs its top-level layers recorded" in warning
+
+
 def test_plan_needs_the_cluster_size():
     with pytest.raises(ConfigError, match="cluster.hosts is read from the running cluster"):
         make_plan(run_config(["cluster=ray"]))
@@ -170,7 +207,6 @@ def test_bad_plan_hardware_is_an_error(override, message):
 # where it recomputes the last attention (each model and strategy under none, full and
 # dots: scripts/bench_memory.py).
 LLAMA = ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
-TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
 MEMORY = {
     "mlp-data_parallel": ("data_parallel", MeshShape(8, 1), ["model=mlp"]),
     "mlp-fsdp": ("fsdp", MeshShape(8, 1), ["model=mlp"]),
@@ -189,9 +225,63 @@ MEMORY = {
 }
 
 
-@pytest.mark.parametrize("case", MEMORY)
+# Other depths, sequence lengths and batches than the rules above were fitted to, at the same
+# tolerance. Two are off by more, reported here rather than tuned for (plan / compiled peak):
+# the MLP under hybrid is over-predicted as its batch grows (batch 16 1.07, 64 1.27-1.29), and
+# a one-block transformer under hybrid at seq_len 256 and 8 examples is 1.15.
+OFF = "the plan over-predicts the compiled peak by more than 10 %: "
+UNTUNED = {
+    "mlp-fsdp-depth3-batch32": (
+        "fsdp",
+        MeshShape(8, 1),
+        ["model=mlp", "model.kwargs.depth=3", "trainer.global_batch=32"],
+    ),
+    "transformer-data_parallel-3layers-seq64-batch32": (
+        "data_parallel",
+        MeshShape(8, 1),
+        [*TRANSFORMER, "model.kwargs.layers=3", "model.seq_len=64", "trainer.global_batch=32"],
+    ),
+    "transformer-hybrid-dots-3layers-seq64": (
+        "hybrid",
+        MeshShape(2, 4),
+        [*TRANSFORMER, "model.kwargs.layers=3", "model.seq_len=64", "trainer.remat=dots"],
+    ),
+    "llama-fsdp-full-seq16": (
+        "fsdp",
+        MeshShape(8, 1),
+        [*LLAMA, "model.seq_len=16", "trainer.remat=full"],
+    ),
+    "mlp-hybrid-depth4-batch64": (
+        "hybrid",
+        MeshShape(2, 4),
+        ["model=mlp", "model.kwargs.depth=4", "trainer.global_batch=64"],
+    ),
+    "transformer-hybrid-1layer-seq256-batch8": (
+        "hybrid",
+        MeshShape(2, 4),
+        [*TRANSFORMER, "model.kwargs.layers=1", "model.seq_len=256", "trainer.global_batch=8"],
+    ),
+}
+OFF_BY = {"mlp-hybrid-depth4-batch64": 1.27, "transformer-hybrid-1layer-seq256-batch8": 1.15}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        *MEMORY,
+        *(
+            pytest.param(
+                case,
+                marks=pytest.mark.xfail(strict=True, reason=f"{OFF}{OFF_BY[case]}")
+                if case in OFF_BY
+                else (),
+            )
+            for case in UNTUNED
+        ),
+    ],
+)
 def test_planned_memory_matches_the_compiled_step(case):
-    strategy, mesh, overrides = MEMORY[case]
+    strategy, mesh, overrides = {**MEMORY, **UNTUNED}[case]
     predicted, measured = plan_and_step(strategy, mesh, tuple(overrides))
     memory = predicted.memory
     assert memory.state_bytes == pytest.approx(measured.memory.arguments, rel=0.10)

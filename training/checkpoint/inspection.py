@@ -32,8 +32,7 @@ def inspect_checkpoints(
     to the hosts to check (`training.host.checkpoints.agree_on_directory`), and nothing is
     created on the driver."""
     directory = checkpoint_path(cfg.checkpoint.dir)
-    remote_hosts = cfg.cluster.name != "local" and not url_scheme(cfg.checkpoint.dir)
-    if remote_hosts and not directory.exists():
+    if _left_to_the_hosts(cfg):
         return None
     check_writable(directory)
     if not directory.exists():
@@ -71,15 +70,61 @@ def newest_figures(cfg: CheckpointConfig) -> dict:
     return record.get("figures", {})
 
 
+def restart_step(cfg: RunConfig, saved: int) -> int:
+    """The step a fresh host group resumes from: the newest checkpoint's (0 without
+    checkpoints). `saved`: the newest step a checkpoint of this run is known to have reached
+    (0: none), the one resumed from or one the hosts trained past (`saved_before`). A
+    directory that no longer holds it (deleted, emptied, unreadable), or whose newest
+    checkpoint cannot be read, is a ConfigError: a restart never trains again from an older
+    step, or from 0, without a word. Where the driver does not see the directory (a path on a
+    cluster's hosts), the hosts find the step; `saved` is what the driver knows."""
+    if not cfg.checkpoint.enabled:
+        return 0
+    if _left_to_the_hosts(cfg):
+        return saved
+    directory = checkpoint_path(cfg.checkpoint.dir)
+    step = newest_step(cfg.checkpoint)
+    if step is None or step < saved:
+        raise ConfigError(
+            f"checkpoint.dir={directory} held a checkpoint at step {saved}, but "
+            + ("holds none now" if step is None else f"its newest is now step {step}")
+            + f": a restart would train again from step {step or 0}. Restore the directory "
+            "and run the same command to resume"
+        )
+    if step:
+        read_record(open_manager(cfg.checkpoint, read_only=True), directory, step)
+    return step or 0
+
+
+def saved_before(step: int, cfg: CheckpointConfig) -> int:
+    """The newest checkpoint a run whose every host finished `step` steps has saved (0:
+    none): the last multiple of checkpoint.interval before it, since hosts save at such a
+    step, and synchronously, before they go on to the next."""
+    if not cfg.enabled or step <= 0:
+        return 0
+    return (step - 1) // cfg.interval * cfg.interval
+
+
+def _left_to_the_hosts(cfg: RunConfig) -> bool:
+    """On a Ray cluster the driver is not a host: a filesystem path it does not have is
+    checked by the hosts (`training.host.checkpoints.agree_on_directory`)."""
+    remote_hosts = cfg.cluster.name != "local" and not url_scheme(cfg.checkpoint.dir)
+    return remote_hosts and not checkpoint_path(cfg.checkpoint.dir).exists()
+
+
 def newest_step(cfg: CheckpointConfig) -> int | None:
-    """The newest step in checkpoint.dir as this process sees it; None where it has none
-    (or, on the driver of a cluster, cannot see the directory)."""
+    """The newest step in checkpoint.dir as this process sees it; None where the directory
+    does not exist or holds none. A directory that cannot be listed, or a path that is not a
+    directory, is a ConfigError naming it and why."""
+    directory = checkpoint_path(cfg.dir)
     try:
-        if not checkpoint_path(cfg.dir).exists():
+        if not directory.exists():
             return None
+        if not directory.is_dir():
+            raise NotADirectoryError(f"{directory} is not a directory")
         return open_manager(cfg, read_only=True).latest_step()
-    except Exception:
-        return None
+    except Exception as error:
+        raise ConfigError(unreadable(directory, None, error)) from None
 
 
 def read_record(manager, directory, step: int) -> dict:

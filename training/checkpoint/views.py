@@ -96,7 +96,8 @@ def check_host_views(
     directory: str, views: list[dict], marker: str | None = None, marker_writer: str = "host 0"
 ) -> int | None:
     """The newest step every host sees in checkpoint.dir (None: none), or a CheckpointError
-    naming each host's view: a host that cannot write there, one that does not read back the
+    naming each host's view: a host that cannot write there, or list its checkpoints (it
+    would otherwise see none, and train from step 0), one that does not read back the
     marker (`marker`, written by `marker_writer`): the directory is not shared, such as a
     node-local path on a multi-node cluster; or hosts that see different newest steps."""
     views = [{**v, "host": i if v.get("host") is None else v["host"]} for i, v in enumerate(views)]
@@ -106,6 +107,13 @@ def check_host_views(
             f"checkpoint.dir={directory} is not writable from "
             + "; ".join(f"{describe_host(v)} ({v['writable']})" for v in unwritable)
             + "; every host must be able to write there"
+        )
+    unlisted = [v for v in views if v.get("error")]
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint.dir={directory} cannot be read from "
+            + "; ".join(f"{describe_host(v)} ({v['error']})" for v in unlisted)
+            + ". Nothing was restored"
         )
     if marker is not None:
         blind = [v for v in views if v.get("marker") != marker]

@@ -29,6 +29,8 @@ class Checked:
     parameters: dict[str, int] = field(default_factory=dict)  # build.count_parameters
     # A training example's model FLOPs (training.models.flops), for MFU
     flops_per_example: float = 0.0
+    # What the plan could not do exactly (`costs.untraced_warning`), shown before training.
+    warnings: tuple[str, ...] = ()
 
     @property
     def data_spec(self) -> DataSpec:

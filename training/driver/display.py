@@ -226,6 +226,11 @@ def print_parameters(parameters: dict[str, int], console: Console) -> None:
     console.print(f"parameters: {total:,}, {share}", highlight=False)
 
 
+def print_warnings(warnings, console: Console) -> None:
+    for warning in warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
+
+
 def print_layout(layout, console: Console) -> None:
     """The rules `strategy.layout=auto` chose, with why and as one override to copy: soft
     wrapped, since a hard wrap would put newlines into the override."""

@@ -303,14 +303,14 @@ def gathered_failure(
     failures = failures or [(failed.host, failed.error)]
     failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
     return HostFailure(
-        "; then ".join(_describe(host, error, output_dir) for host, error in failures),
+        "; then ".join(_describe_failure(host, error, output_dir) for host, error in failures),
         restartable=isinstance(failures[0][1], RayActorError),
         silent_s=silent_s,
         noticed=noticed,
     )
 
 
-def _describe(host: int, error: Exception, output_dir: Path) -> str:
+def _describe_failure(host: int, error: Exception, output_dir: Path) -> str:
     if isinstance(error, RayActorError):
         return f"host {host} died ({str(error).splitlines()[0]})"
     return describe_raised(host, error.cause, str(error), output_dir)

@@ -17,7 +17,7 @@ from training.data import build_dataset
 from training.driver.checked import Checked, check_sizes
 from training.events import OutOfDeviceMemory
 from training.models.flops import model_flops_per_example
-from training.models.remat import remat_layers
+from training.models.remat import rematerialised
 from training.parallel import auto_layout, costs, fsdp, tensor_parallel
 from training.parallel.dtypes import readable_bytes
 from training.parallel.mesh import MeshShape
@@ -31,9 +31,10 @@ def preflight(cfg: RunConfig) -> Checked:
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
-    model = models.abstract_model(cfg.model, data_spec)
+    model = rematerialised(
+        lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+    )
     models.check_labels_fit(cfg.model, model, data_spec)
-    remat_layers(model, cfg.trainer.remat)
     compile_model(model, cfg)
     figures = check_metrics_fit(
         cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0
@@ -77,6 +78,7 @@ def preflight(cfg: RunConfig) -> Checked:
         rules,
         count_parameters(model),
         model_flops_per_example(model, data_spec.positions_per_example),
+        tuple(w for w in [costs.untraced_warning(model)] if w),
     )
 
 

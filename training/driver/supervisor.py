@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from training.checkpoint.inspection import newest_step
+from training.checkpoint.inspection import restart_step, saved_before
 from training.config import ConfigError, RunConfig
 from training.contracts import predicts_tokens
 from training.driver.checked import Checked
@@ -77,6 +77,8 @@ class Supervisor:
         self.coverage = RowCoverage(checked.dataset, cfg.trainer)
         self.watchdog = Watchdog(checked.hosts, cfg.fault)
         self.stop_signal: int | None = None
+        # The newest step a checkpoint of this run is known to have reached (0: none).
+        self.saved_step = checked.resume_step or 0
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -134,7 +136,9 @@ class Supervisor:
                 self._prepare_restart(failure)
 
     def _prepare_restart(self, failure: HostFailure) -> None:
-        resume = newest_step(self.cfg.checkpoint) or 0
+        passed = saved_before(self.watchdog.slowest_step(), self.cfg.checkpoint)
+        resume = restart_step(self.cfg, max(self.saved_step, passed))
+        self.saved_step = resume
         # The checkpoint proves its step reached, however stale the hosts' last reports.
         reached = max(self.watchdog.furthest_step(), resume)
         self.restarts.record(failure, reached, resume, spare=self.next_group is not None)
@@ -229,6 +233,7 @@ class Supervisor:
 
     def _ready(self, host: int, ready: Ready) -> None:
         self._check_same_data(host, ready.data_fingerprint)
+        self._check_resumed(host, ready.resumed_from_step)
         self.coverage.add_host(host, ready.rows)
         self.seen.saw_devices(ready.device_kind, ready.device_memory_limit)
         if self.seen.resumed_from_step is None:
@@ -268,6 +273,14 @@ class Supervisor:
                 f"host {host} reads different data than the driver checked (data fingerprint "
                 f"{fingerprint[:12]} vs {self.checked.data_spec.fingerprint[:12]}): every host "
                 "needs the same files (data.root, data.glob) and data settings; stopped all hosts"
+            )
+
+    def _check_resumed(self, host: int, step: int) -> None:
+        if step < self.saved_step:
+            raise HostFailure(
+                f"host {host} resumed from step {step}, but checkpoint.dir="
+                f"{self.cfg.checkpoint.dir} held a checkpoint at step {self.saved_step}: "
+                "it sees an older one, or none; stopped all hosts"
             )
 
     def _check_rows_fed(self, record: dict) -> None:

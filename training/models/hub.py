@@ -232,18 +232,32 @@ def _ties_embeddings(cls: type, config: dict) -> bool:
 
 
 def _preset_config(preset: str) -> tuple[type, dict]:
-    """The backbone class a preset's config names, and its constructor arguments (read
-    without its weights)."""
-    from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_config_class, load_json
+    """The backbone class a preset's config names, and its constructor arguments, read
+    without its weights: a Keras-format preset's own (`save_to_preset`), or those keras-hub
+    converts a transformers-format `config.json` to (a Hugging Face checkpoint)."""
+    from keras_hub.src.utils.preset_utils import KerasPresetLoader, get_preset_loader
 
     try:
-        config = load_json(preset, CONFIG_FILE)
-        return check_config_class(config), config.get("config", {})
+        loader = get_preset_loader(preset)
+        cls = loader.check_backbone_class()
+        if isinstance(loader, KerasPresetLoader):
+            return cls, loader.config.get("config", {})
+        return cls, _converted_config(loader, cls)
     except Exception as error:
         raise ConfigError(
             f"model.preset={preset!r} is not a keras-hub preset (a directory that "
-            f"save_to_preset wrote, or a handle): {type(error).__name__}: {error}"
+            "save_to_preset wrote, a transformers-format checkpoint keras-hub converts, or a "
+            f"handle): {type(error).__name__}: {error}"
         ) from None
+
+
+def _converted_config(loader, cls: type) -> dict:
+    """The backbone arguments keras-hub's converter of a transformers-format config gives
+    (as its `TransformersPresetLoader.load_backbone` calls it)."""
+    convert = loader.converter.convert_backbone_config
+    if len(inspect.signature(convert).parameters) == 1:
+        return convert(loader.config)
+    return convert(loader.config, cls)
 
 
 def loss() -> keras.losses.Loss:

@@ -66,7 +66,6 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     model, dataset = build_on_grid(cfg, grid)
     batch = cfg.trainer.micro_batch
     x, y = dataset.batch("train", 0, batch, slice(0, batch))
-    model.train_on_batch(x, y)
     step = compiled_train_step(model, x, y)
     analysis = step.memory_analysis()
     return Measured(

@@ -20,12 +20,13 @@ from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
-from training.models.remat import remat_layers
+from training.models.remat import rematerialised
 from training.parallel.activations import activation_bytes
 from training.parallel.auto_layout import derive
 from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.fsdp import shard_over_data, user_rules_only
+from training.parallel.layer_graph import untraceable
 from training.parallel.mesh import MeshShape
 from training.parallel.tensor_parallel import model_axis_collectives, output_rules
 from training.recipe.optimizer import build_optimizer
@@ -67,8 +68,9 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> Abs
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
         model = keras_model
         if model is None:
-            model = models.abstract_model(cfg.model, data_spec)
-            remat_layers(model, cfg.trainer.remat)
+            model = rematerialised(
+                lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+            )
         with models.without_weights():  # the slots stay abstract: none is allocated
             optimizer.build(model.trainable_variables)
     finally:
@@ -92,6 +94,21 @@ def _shadowed(optimizer_variables, parameters) -> tuple[tuple[VariableInfo, str 
         owner = next((path for prefix, path in prefixes if name.startswith(prefix)), None)
         paired.append((models.variable_info(variable), owner))
     return tuple(paired)
+
+
+def untraced_warning(keras_model) -> str | None:
+    """What the plan falls back to where the walk cannot trace the model's layer graph."""
+    why = untraceable(keras_model)
+    if why is None:
+        return None
+    return (
+        f"the plan cannot follow the model's layer graph ({why}): its activations are "
+        "estimated as the outputs its top-level layers recorded (none, where its call did not "
+        "run on symbolic inputs), what the model axis sends as a gather of each weight split "
+        "over `model`; strategy.layout=auto splits weights by their shapes alone, and no layer "
+        "output gets a layout rule. The memory and communication figures are rough: "
+        "plan.compile=true compares them with the compiled step"
+    )
 
 
 def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:

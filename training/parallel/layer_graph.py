@@ -19,13 +19,23 @@ class Graph(NamedTuple):
 
 
 def graph(model) -> Graph | None:
-    """The model's layer graph, or None."""
+    """The model's layer graph, or None (`untraceable` says why)."""
+    return _graph(model)[0]
+
+
+def untraceable(model) -> str | None:
+    """Why the model has no layer graph (its call cannot run on symbolic inputs, say); None
+    where it has one."""
+    return _graph(model)[1]
+
+
+def _graph(model) -> tuple[Graph | None, str | None]:
     functional = model if hasattr(model, "_nodes_by_depth") else None
     functional = functional or getattr(model, "_functional", None)  # Sequential
     if functional is None:
-        functional = _traced(model)
-    if functional is None:
-        return None
+        functional, why = _traced(model)
+        if functional is None:
+            return None, why
     by_depth = functional._nodes_by_depth
     nodes = [
         node
@@ -33,20 +43,23 @@ def graph(model) -> Graph | None:
         for node in by_depth[depth]
         if node.operation is not None and not node.is_input
     ]
-    return Graph(list(functional.inputs), list(functional.outputs), nodes)
+    return Graph(list(functional.inputs), list(functional.outputs), nodes), None
 
 
 def _traced(model):
     """A subclassed model's graph: its `call` run on symbolic inputs of the shapes it was built
-    with records a node per layer (and per keras.ops call), as a functional model has."""
+    with records a node per layer (and per keras.ops call), as a functional model has. (None,
+    why) where it cannot run so."""
     import keras
     from keras.src.backend import name_scope
     from keras.src.ops.function import Function
 
     shapes = getattr(model, "_build_shapes_dict", None)
     if not shapes or len(shapes) != 1:
-        return None
+        arguments = len(shapes or {})
+        return None, f"its call was built on {arguments} arguments, not on one input (or a dict)"
     shape = next(iter(shapes.values()))
+    failures = []
     for dtype in ("float32", "int32"):
         try:
             if isinstance(shape, dict):  # named inputs (model=hub's token ids and mask)
@@ -56,10 +69,11 @@ def _traced(model):
             # As Keras calls it (the same variable paths), creating no real variables.
             with keras.StatelessScope(), name_scope(model.name, caller=model):
                 outputs = model.call(inputs)
-            return Function(keras.tree.flatten(inputs), outputs)
-        except Exception:  # noqa: BLE001 - a call that cannot run symbolically: no graph
-            continue
-    return None
+            return Function(keras.tree.flatten(inputs), outputs), None
+        except Exception as error:  # noqa: BLE001 - a call that cannot run symbolically
+            cause = str(error).splitlines()[0] if str(error) else ""
+            failures.append(f"{type(error).__name__}: {cause}")
+    return None, "its call on symbolic inputs raised " + "; ".join(dict.fromkeys(failures))
 
 
 def call_graph(layer, node) -> Graph | None:
