@@ -17,9 +17,6 @@ from training.parallel.fsdp import gather_for_use
 from training.parallel.mesh import build_distribution
 from training.recipe import compile_model
 
-# Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
-DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
-
 
 def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
@@ -42,7 +39,7 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
 
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    keras.config.set_dtype_policy(cfg.trainer.dtype_policy)
     with remat_scope(cfg.trainer.remat):
         model = models.build_model(cfg.model, data_spec)
     remat_layers(model, cfg.trainer.remat)

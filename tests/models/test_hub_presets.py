@@ -16,6 +16,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tests.checkpoint.test_export import run_plain_python  # noqa: E402
 from tests.conftest import run_config  # noqa: E402
 from tests.hub_presets import SEQ_LEN, write_instructions, write_preset  # noqa: E402
 from training.build import build_compiled, build_on_grid  # noqa: E402
@@ -408,3 +409,75 @@ def test_init_from_then_lora_trains_lora_from_the_loaded_weights(presets, tmp_pa
         model.train_on_batch(x, y, weights)
     moved = {v.path for v in model.trainable_weights if not np.array_equal(before[v.path], v.value)}
     assert moved == set(before) and moved
+
+
+# In a fresh process, as a user would: the preset opened by plain keras-hub (the package
+# imported for Keras' backend only), its logits on the saved batch against the trained
+# model's, then `python -m training.generate`'s sampling.
+OPEN_AND_SAMPLE = """
+import contextlib, io, json, sys
+import training
+import keras_hub
+import numpy as np
+from training import generate
+
+preset, batch = sys.argv[1], np.load(sys.argv[2])
+model = keras_hub.models.CausalLM.from_preset(preset)
+logits = np.asarray(model({"token_ids": batch["token_ids"], "padding_mask": batch["padding_mask"]}))
+sampled = io.StringIO()
+with contextlib.redirect_stdout(sampled):
+    assert generate.main([preset, "the fox", "--max-length", "8"]) == 0
+scale = np.max(np.abs(batch["logits"]))
+error = float(np.max(np.abs(logits - batch["logits"])) / scale)
+print(json.dumps({"error": error, "sampled": sampled.getvalue()}))
+"""
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_a_bfloat16_lora_fine_tune_exports_a_preset_that_plain_keras_hub_opens(
+    presets, tmp_path, param_dtype
+):
+    """trainer.precision=bfloat16 under hybrid 2 × 4 with LoRA, the base weights in float32
+    (Keras' mixed policy) or in bfloat16 (trainer.param_dtype; LoRA's matrices and their
+    optimizer state stay float32, as Keras makes them): the loss falls, and the exported
+    preset opens in a fresh process with plain keras-hub, gives the trained model's logits
+    and samples with training.generate."""
+    from training.checkpoint.export import export_model
+
+    cfg = run_config(
+        preset_overrides(
+            presets,
+            "gemma",
+            "model.lora_rank=4",
+            "strategy=hybrid",
+            "mesh.data=2",
+            "mesh.model=4",
+            "optimizer.learning_rate=0.02",
+            "trainer.precision=bfloat16",
+            f"trainer.param_dtype={param_dtype}",
+        )
+    )
+    try:
+        model, dataset = build_on_grid(cfg, grid_of(2, 4))
+        trained = {
+            str(v.value.dtype)
+            for v in model.trainable_variables + model.optimizer.variables
+            if "lora" in v.path
+        }
+        frozen = {str(v.value.dtype) for v in model.non_trainable_variables if "kernel" in v.path}
+        x, y, weights = dataset.batch("train", 0, BATCH, slice(0, BATCH))
+        before = np.asarray(model(x), np.float32)
+        losses = [model.train_on_batch(x, y, weights, return_dict=True)["loss"] for _ in range(4)]
+        logits = np.asarray(model(x), np.float32)
+        preset = export_model(model, str(tmp_path / "preset"))
+    finally:
+        keras.distribution.set_distribution(None)
+        keras.config.set_dtype_policy("float32")
+    assert trained == {"float32"} and frozen == {param_dtype}
+    assert losses[-1] < losses[0], losses
+    np.savez(tmp_path / "batch.npz", **x, logits=logits)
+    opened = run_plain_python(OPEN_AND_SAMPLE, preset, str(tmp_path / "batch.npz"))
+    assert opened["sampled"].startswith("the fox")
+    # Within bfloat16's rounding of the trained model's logits, which training moved far more.
+    assert opened["error"] < 0.02
+    assert np.max(np.abs(logits - before)) / np.max(np.abs(logits)) > 0.1

@@ -18,6 +18,7 @@ from training.parallel import auto_layout, costs, fsdp, tensor_parallel
 from training.parallel.mesh import MeshShape
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
+from training.recipe.optimizer import check_updates_weights_of
 
 
 def preflight(cfg: RunConfig) -> Checked:
@@ -26,8 +27,11 @@ def preflight(cfg: RunConfig) -> Checked:
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
-    model = models.abstract_model(cfg.model, data_spec)
+    with models.dtype_policy(cfg.trainer.dtype_policy):
+        model = models.abstract_model(cfg.model, data_spec)
     models.check_labels_fit(cfg.model, model, data_spec)
+    for dtype in {v.dtype for v in model.trainable_variables} - {"float32"}:
+        check_updates_weights_of(cfg.optimizer, dtype)
     remat_layers(model, cfg.trainer.remat)
     compile_model(model, cfg)
     figures = check_metrics_fit(

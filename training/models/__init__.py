@@ -62,6 +62,20 @@ def build_model(cfg: ModelConfig, data_spec: DataSpec):
     return model
 
 
+@contextmanager
+def dtype_policy(name: str):
+    """Keras' global dtype policy `name` while inside: the layers created take it (a run's
+    `trainer.dtype_policy`), and keras-hub's presets load their weights in it."""
+    import keras
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
     """The model with its variables' paths and shapes but no weights allocated."""
     from keras.src.utils.naming import reset_uids

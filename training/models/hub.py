@@ -113,7 +113,7 @@ def _named(backbone: str, preset: str) -> str:
 
 def _task_from_preset(preset: str):
     """`CausalLM.from_preset`, its weights read only on the hosts (see `building_abstractly`),
-    its variables in the run's precision."""
+    its variables in the run's dtype policy."""
     from training.models import building_abstractly
 
     keras_hub = _keras_hub()
@@ -184,8 +184,16 @@ class HubCausalLM(keras.Model):
 
     def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:
         """The task as a keras-hub preset: config, weights (LoRA merged into the kernels),
-        tokenizer where it has one."""
-        self.task.save_to_preset(preset_dir, max_shard_size=max_shard_size)
+        tokenizer where it has one. Its config records the dtype the weights are stored in:
+        keras-hub 0.32's loader takes a mixed policy's name for a dtype and fails on it
+        (`Invalid dtype: mixed_bfloat16`)."""
+        backbone = self.task.backbone
+        policy = backbone.dtype_policy
+        backbone.dtype_policy = policy.variable_dtype
+        try:
+            self.task.save_to_preset(preset_dir, max_shard_size=max_shard_size)
+        finally:
+            backbone.dtype_policy = policy
 
     def save_lora_weights(self, path: str) -> None:
         self.task.backbone.save_lora_weights(path)
