@@ -3,14 +3,12 @@ each read back by plain Keras as a user would."""
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 
+from tests.conftest import run_plain_python
 from training.checkpoint.export import SHARDED_ARCHITECTURE, SHARDED_WEIGHTS, export_model
 
 
@@ -136,20 +134,6 @@ for path in sys.argv[1:]:
     }}
 print(json.dumps(results))
 """
-
-
-def run_plain_python(script: str, *args: str, **env: str) -> dict:
-    """What `script` prints last, as JSON, run in a fresh process on one CPU device with
-    Keras' backend unset unless `env` sets it."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env={**clean, "JAX_PLATFORMS": "cpu", **env},
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr.strip().splitlines()[-1][:400]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def export_with_state(overrides: list[str], path: str) -> dict:

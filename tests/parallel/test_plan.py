@@ -31,15 +31,11 @@ FSDP = {"mlp-fsdp": ("hybrid", MeshShape(2, 4), ["model=mlp", FSDP_RULES])}
 # Weights and Adam's slots in bfloat16, half the bytes. (XLA:CPU sends bfloat16 collectives
 # as float32, unlike the accelerators the plan predicts for: no collective case.)
 BFLOAT16 = {
-    "transformer-hybrid-bfloat16": (
+    "mlp-hybrid-bfloat16": (
         "hybrid",
         MeshShape(2, 4),
-        [
-            *TINY,
-            "trainer.precision=bfloat16",
-            "trainer.param_dtype=bfloat16",
-            "optimizer.beta_2=0.99",
-        ],
+        ["model=mlp", "trainer.precision=bfloat16", "trainer.param_dtype=bfloat16"]
+        + ["optimizer.beta_2=0.99"],
     )
 }
 
