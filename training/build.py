@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training import models
+from training import keras_compat, models
 from training.config import RunConfig
 from training.contracts import DataSpec
 from training.data import build_dataset
@@ -46,7 +46,7 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
     compile_model(model, cfg)
     # The optimizer and the compiled metrics built now rather than at the first step, so
     # that a checkpoint can be restored into them and the step carries every metric.
-    model._symbolic_build(data_batch=models.symbolic_batch(data_spec))
+    keras_compat.build_training_state(model, models.symbolic_batch(data_spec))
     return model
 
 

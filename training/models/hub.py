@@ -27,6 +27,7 @@ from typing import Any
 
 import keras
 
+from training import keras_compat
 from training.config import ConfigError
 from training.contracts import MESH_AXES
 
@@ -155,14 +156,9 @@ def _task_from_sizes(backbone: str, kwargs: dict):
 def _enable_lora(task, rank: int, targets: list[str] | None, named: str) -> None:
     backbone = task.backbone
     backbone.enable_lora(rank, target_layer_names=targets)
-    if not backbone._lora_enabled_layers:
-        can = sorted(
-            {
-                layer.name
-                for layer in backbone._flatten_layers(include_self=False)
-                if hasattr(layer, "enable_lora")
-            }
-        )
+    layers = keras_compat.sublayers(backbone)
+    if not any(getattr(layer, "lora_enabled", False) for layer in layers):
+        can = sorted({layer.name for layer in layers if hasattr(layer, "enable_lora")})
         raise ConfigError(
             f"model.lora_targets={targets} names no layer of {named} that takes LoRA; "
             f"its layers that do: {_examples(can)}"
@@ -242,11 +238,8 @@ def _ties_embeddings(cls: type, config: dict) -> bool:
 def _preset_config(preset: str) -> tuple[type, dict]:
     """The backbone class a preset's config names, and its constructor arguments (read
     without its weights)."""
-    from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_config_class, load_json
-
     try:
-        config = load_json(preset, CONFIG_FILE)
-        return check_config_class(config), config.get("config", {})
+        return keras_compat.preset_backbone(preset)
     except Exception as error:
         raise ConfigError(
             f"model.preset={preset!r} is not a keras-hub preset (a directory that "

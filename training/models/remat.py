@@ -11,21 +11,22 @@ the rest there.
   function makes of them is recomputed;
 - a regex: the layers whose path it full-matches (`block_\\d+_attention`), each wholly.
 
-Layers are marked through Keras' own mechanism (`Layer._remat_mode`, read at each call), but
-checkpointed with their call's keywords held static: Keras 3.15's `RematScope(mode="full")`
-hands `training=False` to `jax.checkpoint` as a traced value, which fails on a functional
-model and on any layer that branches on it. Keras has no policy-based remat: `dots` passes
-JAX's policy to the same `jax.checkpoint`.
+Layers are marked through Keras' own mechanism (`keras_compat.rematerialise`: a mark Keras
+reads at each call), but checkpointed with their call's keywords held static: Keras 3.15's
+`RematScope(mode="full")` hands `training=False` to `jax.checkpoint` as a traced value, which
+fails on a functional model and on any layer that branches on it. Keras has no policy-based
+remat: `dots` passes JAX's policy to the same `jax.checkpoint`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from training import keras_compat
 from training.config import ConfigError
 
 # XLA:CPU expands optimisation barriers before its common-subexpression pass, which then
@@ -40,6 +41,8 @@ EVERY_LAYER = "full"
 KEEPING_PROJECTIONS = "dots"
 ACTIVATIONS = "activations"
 MODES = (NO_REMAT, EVERY_LAYER, KEEPING_PROJECTIONS, ACTIVATIONS)
+# The layers marked under `dots` (the analysis of what a step keeps reads it).
+_KEEPING_PROJECTIONS = weakref.WeakSet()
 
 
 @contextmanager
@@ -63,14 +66,12 @@ def remat_layers(model, remat: str) -> None:
     carry out."""
     if remat in (NO_REMAT, ACTIVATIONS):
         return
-    from keras.src.backend.common.remat import RematMode
-
     all_layers = remat in (EVERY_LAYER, KEEPING_PROJECTIONS)
     layers = list(
         _outermost(model, lambda layer: all_layers or bool(re.fullmatch(remat, layer.path or "")))
     )
     if not layers:
-        every = model._flatten_layers(include_self=False)
+        every = keras_compat.sublayers(model)
         paths = ", ".join(layer.path for layer in every if layer.path)
         raise ConfigError(
             f"trainer.remat={remat!r} is not one of {', '.join(MODES)}, and as a regex it "
@@ -79,10 +80,15 @@ def remat_layers(model, remat: str) -> None:
         )
     keeps_projections = remat == KEEPING_PROJECTIONS
     for layer in layers:
-        layer._remat_mode = RematMode(EVERY_LAYER, None, [])
-        layer._remat_keeps_projections = keeps_projections
+        if keeps_projections:
+            _KEEPING_PROJECTIONS.add(layer)
         checkpointed = functools.partial(_checkpointed, keeps_projections=keeps_projections)
-        layer.rematerialized_call = types.MethodType(checkpointed, layer)
+        keras_compat.rematerialise(layer, checkpointed)
+
+
+def keeps_projections(layer) -> bool:
+    """Whether a rematerialised layer keeps its projections' outputs (`dots`)."""
+    return layer in _KEEPING_PROJECTIONS
 
 
 def _outermost(container, wanted) -> Iterator:
@@ -90,7 +96,7 @@ def _outermost(container, wanted) -> Iterator:
     no state."""
     import keras
 
-    for layer in container._flatten_layers(include_self=False, recursive=False):
+    for layer in keras_compat.sublayers(container, recursive=False):
         if (
             wanted(layer)
             and not isinstance(layer, keras.Model)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import string
 from typing import NamedTuple
 
+from training import keras_compat
+
 
 class Graph(NamedTuple):
     inputs: list
@@ -20,13 +22,10 @@ class Graph(NamedTuple):
 
 def graph(model) -> Graph | None:
     """The model's layer graph, or None."""
-    functional = model if hasattr(model, "_nodes_by_depth") else None
-    functional = functional or getattr(model, "_functional", None)  # Sequential
-    if functional is None:
-        functional = _traced(model)
+    functional = keras_compat.functional_of(model) or _traced(model)
     if functional is None:
         return None
-    by_depth = functional._nodes_by_depth
+    by_depth = keras_compat.nodes_by_depth(functional)
     nodes = [
         node
         for depth in sorted(by_depth, reverse=True)
@@ -40,10 +39,8 @@ def _traced(model):
     """A subclassed model's graph: its `call` run on symbolic inputs of the shapes it was built
     with records a node per layer (and per keras.ops call), as a functional model has."""
     import keras
-    from keras.src.backend import name_scope
-    from keras.src.ops.function import Function
 
-    shapes = getattr(model, "_build_shapes_dict", None)
+    shapes = keras_compat.build_input_shapes(model)
     if not shapes or len(shapes) != 1:
         return None
     shape = next(iter(shapes.values()))
@@ -54,9 +51,9 @@ def _traced(model):
             else:
                 inputs = keras.KerasTensor(tuple(shape), dtype=dtype)
             # As Keras calls it (the same variable paths), creating no real variables.
-            with keras.StatelessScope(), name_scope(model.name, caller=model):
+            with keras.StatelessScope(), keras.name_scope(model.name, caller=model):
                 outputs = model.call(inputs)
-            return Function(keras.tree.flatten(inputs), outputs)
+            return keras.Function(keras.tree.flatten(inputs), outputs)
         except Exception:  # noqa: BLE001 - a call that cannot run symbolically: no graph
             continue
     return None
@@ -70,7 +67,6 @@ def call_graph(layer, node) -> Graph | None:
     broadcast to (batch, length, length)) cannot run on an unknown batch: it is run again on
     a batch of one, which changes no byte count (those are per example)."""
     import keras
-    from keras.src.ops.function import Function
 
     for batch in (None, 1):
 
@@ -89,7 +85,7 @@ def call_graph(layer, node) -> Graph | None:
         try:
             with keras.StatelessScope():
                 outputs = layer.call(*args, **kwargs)
-            return graph(Function(inputs, outputs))
+            return graph(keras.Function(inputs, outputs))
         except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
             continue
     return None
@@ -131,4 +127,4 @@ def expand_ellipsis(equation: str, x_rank: int, y_rank: int) -> str:
 
 def layer_paths(model) -> frozenset[str]:
     """The paths of the model's layers and their sublayers (those Keras gave one)."""
-    return frozenset(layer.path for layer in model._flatten_layers() if layer.path)
+    return frozenset(layer.path for layer in keras_compat.all_layers(model) if layer.path)
