@@ -1,9 +1,12 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
 import atexit
+import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 import unicodedata
@@ -123,3 +126,34 @@ def png_size(path: Path) -> tuple[int, int]:
         image.load()  # decodes every pixel: a truncated or corrupt file raises here
         assert image.size == struct.unpack(">II", data[16:24])
         return image.size
+
+
+@pytest.fixture
+def counted_weight_reads(monkeypatch):
+    """The names of the h5py datasets (weight files' arrays) whose values were read."""
+    import h5py
+
+    reads = []
+    for name in ("__getitem__", "__array__", "read_direct"):
+        original = getattr(h5py.Dataset, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            reads.append(self.name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(h5py.Dataset, name, counting)
+    return reads
+
+
+def run_plain_python(script: str, *args: str, **env: str) -> dict:
+    """What `script` prints last, as JSON, run in a fresh process on one CPU device with
+    Keras' backend unset unless `env` sets it."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={**clean, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr.strip().splitlines()[-1][:400]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -112,6 +112,8 @@ def test_unknown_choice_lists_the_available_ones(group):
         ("mesh.data=0", "mesh.data=0"),
         ("cluster.hosts=0", "cluster.hosts=0: use a positive number, or -1 to derive it"),
         ("strategy.name=pipeline", "strategy.name='pipeline' is not one of"),
+        ("trainer.param_dtype=float16", "trainer.param_dtype='float16' is not one of"),
+        ("trainer.param_dtype=bfloat16", "trainer.param_dtype=bfloat16 needs trainer.precision"),
     ],
 )
 def test_out_of_range_values_are_rejected_at_the_boundary(override, message):

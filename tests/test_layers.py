@@ -1,6 +1,7 @@
 """Imports point down the layers: the driver above the host runtime, both above the
 analysis (`training.parallel`), which is above models and data; the records every layer
-shares (config, contracts, events) import none of them."""
+shares (config, contracts, events) import none of them. Keras' internals are reached from one
+module, `training.keras_compat`, at the bottom."""
 
 import ast
 from pathlib import Path
@@ -32,6 +33,8 @@ FORBIDDEN = {
     # This machine's GPUs and TPU chips, read by the config as it settles a local cluster.
     "training.gpus": ("training.config", "training.host", "training.driver"),
     "training.tpus": ("training.config", "training.host", "training.driver"),
+    # Keras' internals, below every module that uses them (models, parallel, recipe, ...).
+    "training.keras_compat": ("training",),
 }
 # The host modules the driver may import: the host it places (a Ray actor, or the host in
 # its own process) and the environment it starts a host with.
@@ -109,6 +112,59 @@ def test_a_wrong_way_import_is_caught():
     assert wrong_way("training.driver.supervisor", {"training.host.actor"}) == []
     assert wrong_way("training.parallel.costs", {"training.plan"}) == ["training.plan"]
     assert wrong_way("training.plan", {"training.parallel.costs"}) == []
+
+
+KERAS_COMPAT = PACKAGE / "keras_compat.py"
+# Private attributes of objects that are not Keras': os._exit, the driver's own host groups.
+NOT_KERAS = {"_exit", "_start_actors", "_join"}
+
+
+def reaches_into_keras(path: Path) -> list[str]:
+    """Where a module reaches into Keras' internals (`line: what`): an import of `keras.src`
+    or `keras_hub.src`, or a private attribute of an object other than its own (`x._name`,
+    `getattr(x, "_name")`)."""
+
+    def private(name) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    def own(node) -> bool:
+        if isinstance(node, ast.Call):  # super()
+            return isinstance(node.func, ast.Name) and node.func.id == "super"
+        return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+    def reached(node) -> list[str]:
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            modules = []
+        found = [m for m in modules if m.startswith(("keras.src", "keras_hub.src"))]
+        if isinstance(node, ast.Attribute) and private(node.attr) and not own(node.value):
+            found.append(node.attr)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and private(node.args[1].value)
+        ):
+            found.append(node.args[1].value)
+        return [f"{node.lineno}: {what}" for what in found if what not in NOT_KERAS]
+
+    return [hit for node in ast.walk(ast.parse(path.read_text())) for hit in reached(node)]
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p != KERAS_COMPAT], ids=lambda p: module_name(p)
+)
+def test_only_keras_compat_reaches_into_keras(path):
+    assert reaches_into_keras(path) == []
+
+
+def test_reaching_into_keras_is_caught():
+    assert reaches_into_keras(KERAS_COMPAT)  # what it is for
 
 
 def test_the_run_requests_its_hosts_before_it_imports_keras():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training import models
+from training import keras_compat, models
 from training.config import RunConfig
 from training.contracts import DataSpec
 from training.data import build_dataset
@@ -16,9 +16,6 @@ from training.models.remat import rematerialised
 from training.parallel.fsdp import gather_for_use
 from training.parallel.mesh import build_distribution
 from training.recipe import compile_model
-
-# Keras' mixed policy computes in bfloat16 and keeps variables (and their updates) in float32.
-DTYPE_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
 def build_on_grid(cfg: RunConfig, grid: np.ndarray):
@@ -42,14 +39,14 @@ def build_compiled(cfg: RunConfig, data_spec: DataSpec):
 
     # Same seed on every host, or the replicated initial weights differ between processes.
     keras.utils.set_random_seed(cfg.trainer.seed)
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
+    keras.config.set_dtype_policy(cfg.trainer.dtype_policy)
     model = rematerialised(
         lambda: models.build_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
     )
     compile_model(model, cfg)
     # The optimizer and the compiled metrics built now rather than at the first step, so
     # that a checkpoint can be restored into them and the step carries every metric.
-    model._symbolic_build(data_batch=models.symbolic_batch(data_spec))
+    keras_compat.build_training_state(model, models.symbolic_batch(data_spec))
     return model
 
 

@@ -100,6 +100,9 @@ def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path, saved_
         "trainer.seed=7",
         "trainer.global_batch=64",
         "data.seed=99",
+        "trainer.precision=bfloat16",  # not recorded: a resume may compute in another dtype
+        "trainer.param_dtype=bfloat16",
+        "optimizer.beta_2=0.99",  # which bfloat16 holds (Adam's 0.999 rounds to 1)
     ]
     cfg = run_config(FAST + HYBRID + [f"checkpoint.dir={tmp_path}", *changed])
     with pytest.raises(ConfigError, match="of a different run") as error:
@@ -109,9 +112,10 @@ def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path, saved_
         "optimizer.learning_rate 0.001 in the checkpoint, 0.0001 now",
         "trainer.seed 0 in the checkpoint, 7 now",
         "trainer.global_batch 32 in the checkpoint, 64 now",
+        "trainer.param_dtype 'float32' in the checkpoint, 'bfloat16' now",
         "data.fingerprint '",
-        "checkpoint.allow_changes=[data.fingerprint,optimizer.learning_rate,trainer.global_batch,"
-        "trainer.seed]",
+        "checkpoint.allow_changes=[data.fingerprint,optimizer.beta_2,optimizer.learning_rate,"
+        "trainer.global_batch,trainer.param_dtype,trainer.seed]",
     ):
         assert line in message, message
     assert snapshot(tmp_path) == before
@@ -131,11 +135,15 @@ def test_a_resume_that_differs_names_every_difference_and_stops(tmp_path, saved_
 
 
 def test_allow_changes_lets_a_named_difference_through(tmp_path, saved_checkpoint):
+    """Float32 weights go on in bfloat16 too: orbax casts each array as it reads it."""
     saved = saved_checkpoint(tmp_path)
     overrides = [
         f"checkpoint.dir={tmp_path}",
         "optimizer.learning_rate=0.0001",
-        "checkpoint.allow_changes=[optimizer.learning_rate]",
+        "optimizer.beta_2=0.99",
+        "trainer.precision=bfloat16",
+        "trainer.param_dtype=bfloat16",
+        "checkpoint.allow_changes=[optimizer,trainer.param_dtype]",
     ]
     cfg = run_config(FAST + HYBRID + overrides)
     assert preflight(cfg).resume_step == 2
@@ -144,7 +152,8 @@ def test_allow_changes_lets_a_named_difference_through(tmp_path, saved_checkpoin
         assert HostCheckpoints(cfg, model).restore_newest() == 2
     assert float(model.optimizer.learning_rate) == pytest.approx(1e-4)  # this run's, not saved
     kernel = next(v for v in model.variables if v.path == "block_0_up/kernel")
-    np.testing.assert_array_equal(np.asarray(kernel.value), saved["model[2]"])
+    assert kernel.value.dtype == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(kernel.value), saved["model[2]"].astype("bfloat16"))
 
 
 def test_a_checkpoint_saved_by_position_is_refused_by_name(tmp_path, saved_checkpoint):

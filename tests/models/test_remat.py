@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import run_config
 from tests.models.test_transformer import TINY
+from training import keras_compat
 from training.build import build_on_grid
 from training.config import ConfigError
 from training.contracts import ArraySpec, DataSpec
@@ -90,7 +91,9 @@ def test_remat_leaves_out_layers_that_update_state_and_trains_the_same():
         return [float(model.train_on_batch(x, y)) for _ in range(3)], model
 
     losses, model = trained("full")
-    marked = [layer for layer in model._flatten_layers() if layer._remat_mode]
+    marked = [
+        layer for layer in keras_compat.all_layers(model) if keras_compat.is_rematerialised(layer)
+    ]
     assert {"conv1", "conv2", "head"} <= {layer.name for layer in marked}
     stateful = (keras.layers.BatchNormalization, keras.layers.Dropout)
     assert not [layer.name for layer in marked if isinstance(layer, stateful)]

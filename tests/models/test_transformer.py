@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import run_config
 from training import models
-from training.build import DTYPE_POLICIES, describe_variables
+from training.build import build_compiled, describe_variables
+from training.config import ConfigError
 from training.data import build_dataset
 from training.events import StepLogged
 from training.host import trainer
@@ -87,7 +88,7 @@ def test_gradient_accumulation_learns_what_the_whole_batch_does():
 
 
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
-    keras.config.set_dtype_policy(DTYPE_POLICIES["bfloat16"])
+    keras.config.set_dtype_policy("mixed_bfloat16")
     model = build_under("hybrid", MeshShape(2, 4), TINY)
     assert model.get_layer("block_0_mlp_up").compute_dtype == "bfloat16"
     assert {v.dtype for v in model.variables} == {"float32"}
@@ -99,6 +100,31 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
     # Same weights and data, coarser arithmetic: close, but not equal.
     np.testing.assert_allclose([r.loss for r in half], [r.loss for r in full], rtol=2e-2)
     assert [r.loss for r in half] != [r.loss for r in full]
+
+
+BFLOAT16_VARIABLES = ["trainer.precision=bfloat16", "trainer.param_dtype=bfloat16"]
+
+
+def test_bfloat16_variables_hold_the_weights_and_optimizer_state_in_bfloat16_and_learn():
+    """trainer.param_dtype=bfloat16: every weight and Adam slot is a bfloat16 array on the
+    devices, as the driver's checks (and so the plan) count them, and the loss falls. Keras'
+    Adam computes in the weight's dtype, where its default beta_2=0.999 is 1 and no step
+    moves a weight: the driver refuses it; 0.99 trains."""
+    from training.driver.preflight import preflight
+
+    with pytest.raises(ConfigError, match="adam with these settings .* leaves them unchanged"):
+        preflight(run_config(TINY + BFLOAT16_VARIABLES))
+    cfg = run_config(TINY + BFLOAT16_VARIABLES + ["optimizer.beta_2=0.99"])
+    assert {v.dtype for v in preflight(cfg).variables} == {"bfloat16"}
+    dataset = build_dataset(cfg.data)
+    model = build_compiled(cfg, dataset.spec)  # on one device: the dtypes are the same on 8
+    slots = [v for v in model.optimizer.variables if v.path.endswith(("momentum", "velocity"))]
+    assert len(slots) == 2 * len(model.trainable_variables)
+    assert {str(v.value.dtype) for v in model.variables + slots} == {"bfloat16"}
+    x, y = dataset.batch("train", 0, 16, slice(0, 16))
+    losses = [model.train_on_batch(x, y, return_dict=True)["loss"] for _ in range(4)]
+    assert losses == sorted(losses, reverse=True), losses
+    assert losses[-1] < losses[0] - 0.1, losses
 
 
 def test_training_on_text_beats_the_unigram_baseline_within_the_default_steps():

@@ -15,38 +15,23 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+
+from training import keras_compat
 
 
-@contextmanager
-def gathering_split_variables():
-    """While inside, Keras' saving reads a variable split over hosts by gathering it."""
+def gathered(array):
+    """A value split over several hosts' devices, gathered whole (a collective every host
+    joins); None for any other, which Keras reads itself (it reads only what this process
+    holds whole)."""
     import jax
-    import keras
     import numpy as np
     from jax.experimental import multihost_utils
 
-    # Keras' saving reads each variable through its backend's `convert_to_numpy` (layers,
-    # metrics) or `Variable.numpy` (the optimizer), which read only arrays this process holds
-    # whole; there is no hook for another reader.
-    from keras.src import backend
-    from keras.src.backend.common.variables import Variable
-
-    original, original_numpy = backend.convert_to_numpy, Variable.numpy
-
-    def gathered(value):
-        array = value.value if isinstance(value, keras.Variable) else value
-        if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            if array.is_fully_replicated:
-                return np.asarray(array.addressable_data(0))
-            return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-        return original(value)
-
-    backend.convert_to_numpy, Variable.numpy = gathered, gathered
-    try:
-        yield
-    finally:
-        backend.convert_to_numpy, Variable.numpy = original, original_numpy
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return None
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def writes_preset(model) -> bool:
@@ -72,7 +57,7 @@ def export_model(
     staging = tempfile.mkdtemp(prefix=".export-", dir=directory if writer else None)
     try:
         staged = os.path.join(staging, os.path.basename(path))
-        with gathering_split_variables():
+        with keras_compat.saving_reads_with(gathered):
             if writes_preset(model) and lora_only:
                 model.save_lora_weights(staged)
             elif writes_preset(model):

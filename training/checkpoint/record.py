@@ -1,10 +1,10 @@
 """A checkpoint's record: the JSON beside its arrays that says what a resume must match.
 
 The record (`resume_record`) names the model, the optimizer and its settings, the global
-batch, the seed and the data's fingerprint; a resume that differs in any of them is refused,
-naming every difference, unless `checkpoint.allow_changes` lists it. Checkpoints written
-before records had a `format` (arrays saved by position) cannot be restored: the error says
-so.
+batch, the variables' dtype, the seed and the data's fingerprint; a resume that differs in
+any of them is refused, naming every difference, unless `checkpoint.allow_changes` lists
+it. Checkpoints written before records had a `format` (arrays saved by position) cannot be
+restored: the error says so.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ def resume_record(cfg: RunConfig, data_fingerprint: str) -> dict[str, object]:
     """What a resume must match, as flat dotted keys (`optimizer.learning_rate`): the model
     (its builder, kwargs and loss; not its layout, since arrays are resharded on load, nor
     its metrics), the
-    optimizer and its settings, the global batch and accumulation, the seed and the data."""
+    optimizer and its settings, the global batch and accumulation, the variables' dtype (a
+    resume may change it where allowed: orbax casts each array as it reads it), the seed and
+    the data."""
     model = {k: v for k, v in asdict(cfg.model).items() if k not in NOT_RECORDED_MODEL_KEYS}
     record = {
         **_flatten("model", model),
         **_flatten("optimizer", asdict(cfg.optimizer)),
         "trainer.global_batch": cfg.trainer.global_batch,
         "trainer.accumulate": cfg.trainer.accumulate,
+        "trainer.param_dtype": cfg.trainer.param_dtype,
         "trainer.seed": cfg.trainer.seed,
         "data.fingerprint": data_fingerprint,
     }

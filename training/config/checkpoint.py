@@ -61,6 +61,7 @@ RECORD_ROOTS = (
     "optimizer",
     "trainer.global_batch",
     "trainer.accumulate",
+    "trainer.param_dtype",
     "trainer.seed",
     "data.fingerprint",
 )

@@ -40,7 +40,10 @@ class TrainerConfig:
     log_interval: int = 10
     eval_interval: int = 50  # held-out loss every this many steps, and after the last
     eval_batches: int = 4  # -1: the whole held-out set
-    precision: str = "float32"  # or bfloat16: bf16 compute, float32 variables
+    precision: str = "float32"  # or bfloat16: compute in bfloat16
+    # The variables' (and so the optimizer state's) dtype: float32, or with precision=bfloat16
+    # also bfloat16 (half the memory; Keras' `bfloat16` policy)
+    param_dtype: str = "float32"
     accumulate: int = 1  # micro-batches per optimizer step: global_batch / accumulate each
     # JAX's persistent compilation cache: "" for ~/.cache/training/jax ($XDG_CACHE_HOME),
     # "off" for none, else a directory every host can write (its own or shared)
@@ -71,9 +74,16 @@ class TrainerConfig:
             not self.early_stopping.enabled or self.eval_batches != 0,
             "trainer.early_stopping needs held-out evaluations: trainer.eval_batches is 0",
         )
+        for key in ("precision", "param_dtype"):
+            value = getattr(self, key)
+            require(
+                value in PRECISIONS,
+                f"trainer.{key}={value!r} is not one of {', '.join(PRECISIONS)}",
+            )
         require(
-            self.precision in PRECISIONS,
-            f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}",
+            not (self.precision == "float32" and self.param_dtype == "bfloat16"),
+            "trainer.param_dtype=bfloat16 needs trainer.precision=bfloat16: Keras computes in "
+            "the variables' dtype or, mixed, in a lower one, never in a higher one",
         )
         require(
             self.global_batch % self.accumulate == 0,
@@ -94,6 +104,14 @@ class TrainerConfig:
             re.compile(self.remat)
         except re.error as error:
             raise ConfigError(f"trainer.remat={self.remat!r} is not a regex: {error}") from None
+
+    @property
+    def dtype_policy(self) -> str:
+        """Keras' dtype policy: computing in `precision`, variables in `param_dtype`
+        (`mixed_bfloat16` where they differ)."""
+        if self.precision == self.param_dtype:
+            return self.precision
+        return f"mixed_{self.precision}"
 
     @property
     def micro_batch(self) -> int:

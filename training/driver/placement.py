@@ -88,7 +88,7 @@ class RayHostGroup:
         group = cls(cluster, name, placement, tpu_slice=tpu_slice)
         try:
             group._start_actors(bundles, claim_standby)
-            if not group._numbered_by_tpu_worker:
+            if not group.numbered_by_tpu_worker:
                 group._join(join_timeout_s)
         except BaseException:
             group.shutdown()
@@ -96,7 +96,7 @@ class RayHostGroup:
         return group
 
     @property
-    def _numbered_by_tpu_worker(self) -> bool:
+    def numbered_by_tpu_worker(self) -> bool:
         """TPU VMs of a Ray cluster: libtpu numbers the processes of a slice by their VM's
         TPU worker id, and each host's `jax.distributed` process id must be that number, so
         the hosts are numbered once they are placed (`identities`), and join after."""
@@ -147,7 +147,7 @@ class RayHostGroup:
         """Each host's identity, once its actor has started (within `bound_s`). The hosts'
         processes on this node are noted, to see them gone at shutdown."""
         identities = self._from_starting_hosts([a.identity.remote() for a in self.actors], bound_s)
-        if self._numbered_by_tpu_worker:
+        if self.numbered_by_tpu_worker:
             order = tpu_worker_order(identities)
             self.actors = [self.actors[i] for i in order]
             identities = [{**identities[i], "host": h} for h, i in enumerate(order)]

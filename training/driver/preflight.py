@@ -23,6 +23,7 @@ from training.parallel.dtypes import readable_bytes
 from training.parallel.mesh import MeshShape
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
+from training.recipe.optimizer import check_updates_weights_of
 
 
 def preflight(cfg: RunConfig) -> Checked:
@@ -31,10 +32,13 @@ def preflight(cfg: RunConfig) -> Checked:
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
-    model = rematerialised(
-        lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
-    )
+    with models.dtype_policy(cfg.trainer.dtype_policy):
+        model = rematerialised(
+            lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
+        )
     models.check_labels_fit(cfg.model, model, data_spec)
+    for dtype in {v.dtype for v in model.trainable_variables} - {"float32"}:
+        check_updates_weights_of(cfg.optimizer, dtype)
     compile_model(model, cfg)
     figures = check_metrics_fit(
         cfg.model, model, data_spec, evaluates=cfg.trainer.eval_batches != 0

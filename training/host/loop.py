@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from training import keras_compat
 from training.host.compile_cache import compile_step
 from training.host.memory import batch_bytes, step_need
 from training.recipe.schedules import learning_rate_at
@@ -59,8 +60,7 @@ class CompiledStep:
         self.metrics = self._fresh_metrics
         # Keras' loss tracker (a mean since its last reset) starts each micro-step afresh, so
         # the step's logged "loss" is that micro-batch's; the carry sums them.
-        tracker = getattr(model, "_loss_tracker", None)
-        tracked = {id(v) for v in tracker.variables} if tracker is not None else set()
+        tracked = {id(v) for v in keras_compat.loss_tracker(model).variables}
         self._loss_slots = [i for i, v in enumerate(model.metrics_variables) if id(v) in tracked]
         self._results = jax.jit(lambda metrics: metric_results(model, metrics))
         self._test_step = jax.jit(model.test_step)
@@ -100,7 +100,7 @@ class CompiledStep:
 
         started = time.perf_counter()
         model, accumulate = self.model, self.accumulate
-        shardings = model._get_state_sharding_spec()[:3]
+        shardings = jax.tree.map(lambda value: value.sharding, self.state)
 
         loss_slots = self._loss_slots
 

@@ -12,6 +12,7 @@ from contextvars import ContextVar
 
 import numpy as np
 
+from training import keras_compat
 from training.config import ConfigError, ModelConfig
 from training.contracts import (
     ACTIVATION_RULE_SUFFIX,
@@ -24,7 +25,7 @@ from training.contracts import (
     VariableInfo,
 )
 from training.models.locate import locate
-from training.models.weights import load_initial_weights, shapes_only_loading
+from training.models.weights import load_initial_weights
 
 # A variable larger than this left whole on every device is worth a warning: the models'
 # rules replicate only vectors (norms, biases added after an all-reduce).
@@ -62,13 +63,25 @@ def build_model(cfg: ModelConfig, data_spec: DataSpec):
     return model
 
 
+@contextmanager
+def dtype_policy(name: str):
+    """Keras' global dtype policy `name` while inside: the layers created take it (a run's
+    `trainer.dtype_policy`), and keras-hub's presets load their weights in it."""
+    import keras
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 def abstract_model(cfg: ModelConfig, data_spec: DataSpec):
     """The model with its variables' paths and shapes but no weights allocated."""
-    from keras.src.utils.naming import reset_uids
-
     # Fresh layer-name counters, so that a subclassed model's name (and so its variables'
     # paths) is the one a host's first build, in a fresh process, gives it.
-    reset_uids()
+    keras_compat.reset_layer_names()
     with without_weights():
         return build_model(cfg, data_spec)
 
@@ -87,25 +100,23 @@ def without_weights():
     their names and shapes only (checked against the model's), so the driver's checks cost
     the same for a large pretrained model as for a tiny one.
 
-    Those two are patches of Keras classes, for the whole process while inside: one abstract
-    build at a time (a lock), and no other thread may build Keras objects meanwhile (the
-    driver builds in its main thread)."""
+    Those two are patches of Keras classes (`keras_compat`), for the whole process while
+    inside: one abstract build at a time (a lock), and no other thread may build Keras objects
+    meanwhile (the driver builds in its main thread)."""
     import keras
-    from keras.src.backend.common import global_state
 
     with _ONE_AT_A_TIME:
-        waiting = list(global_state.get_global_attribute("uninitialized_variables", []))
         abstract = _ABSTRACT.set(True)
         try:
             with (
-                _abstract_values(),
-                shapes_only_loading(),
+                keras_compat.variables_left_uninitialized(),
+                keras_compat.values_made_abstract(),
+                keras_compat.loading_shapes_only(),
                 keras.StatelessScope(initialize_variables=False),
             ):
                 yield
         finally:
             _ABSTRACT.reset(abstract)
-            global_state.set_global_attribute("uninitialized_variables", waiting)
 
 
 _ABSTRACT = ContextVar("building_abstractly", default=False)
@@ -116,32 +127,6 @@ def building_abstractly() -> bool:
     """Inside `without_weights`: a build function may skip fetching weights (a keras-hub
     preset given by a handle would otherwise be downloaded to the driver)."""
     return _ABSTRACT.get()
-
-
-@contextmanager
-def _abstract_values():
-    """Keras refuses a variable created from a value in a stateless scope; made from an
-    initializer returning that value it stays abstract like the others."""
-    import jax
-    import numpy as np
-    from keras.src.backend.common.variables import Variable as KerasVariable
-
-    original = KerasVariable.__init__
-
-    def init(self, initializer, shape=None, dtype=None, *args, **kwargs):
-        if not callable(initializer) and not isinstance(initializer, str):
-            value = initializer
-            shape = np.shape(value) if shape is None else shape
-            # As JAX would type it (int32 for a Python int, without x64).
-            dtype = dtype or jax.dtypes.canonicalize_dtype(np.result_type(value))
-            initializer = lambda shape, dtype=None: value  # noqa: E731
-        original(self, initializer, shape, dtype, *args, **kwargs)
-
-    KerasVariable.__init__ = init
-    try:
-        yield
-    finally:
-        KerasVariable.__init__ = original
 
 
 def variable_info(variable) -> VariableInfo:

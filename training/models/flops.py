@@ -5,8 +5,9 @@ a LoRA fine-tune), and attention's 12 · layers · (heads · head size) · seque
 What a device really computes beyond that (rematerialisation's recomputation, softmax and
 norms) is not model work and is not counted.
 
-The weights are those a matmul reads: an embedding table only looked up is not one, the
-same table read again as the output head (tied embeddings) is. Attention is found from its
+The weights counted are the model's, but for a Keras Embedding layer's table that is only
+looked up (a lookup is no matmul); the same table read again as the output head (tied
+embeddings) is counted. Attention is found from its
 query projections (`query`, `qkv` kernels: keras' MultiHeadAttention, keras-hub's decoders,
 the built-in transformer): each is one attention layer of its output's width.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import math
 import re
+
+from training import keras_compat
 
 QUERY_KERNEL = re.compile(r"(.*/)?(query|qkv|q_proj)/kernel")
 
@@ -25,7 +28,7 @@ def model_flops_per_example(model, positions: int) -> float:
 
     lookups = {
         id(layer.embeddings)
-        for layer in model._flatten_layers(include_self=False)
+        for layer in keras_compat.sublayers(model)
         if isinstance(layer, keras.layers.Embedding) and not _read_as_output(layer)
     }
     weights = sum(math.prod(w.shape) for w in model.weights if id(w) not in lookups)
@@ -40,7 +43,7 @@ def _read_as_output(layer) -> bool:
     TokenEmbedding) without a separate output matrix of its own."""
     if hasattr(layer, "reverse_embeddings"):
         return False
-    return any(node.arguments.kwargs.get("reverse") for node in layer._inbound_nodes)
+    return any(keywords.get("reverse") for keywords in keras_compat.call_keywords(layer))
 
 
 def _attention_width(kernel) -> int:

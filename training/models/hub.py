@@ -27,6 +27,7 @@ from typing import Any
 
 import keras
 
+from training import keras_compat
 from training.config import ConfigError
 from training.contracts import MESH_AXES
 
@@ -113,7 +114,7 @@ def _named(backbone: str, preset: str) -> str:
 
 def _task_from_preset(preset: str):
     """`CausalLM.from_preset`, its weights read only on the hosts (see `building_abstractly`),
-    its variables in the run's precision."""
+    its variables in the run's dtype policy."""
     from training.models import building_abstractly
 
     keras_hub = _keras_hub()
@@ -155,14 +156,9 @@ def _task_from_sizes(backbone: str, kwargs: dict):
 def _enable_lora(task, rank: int, targets: list[str] | None, named: str) -> None:
     backbone = task.backbone
     backbone.enable_lora(rank, target_layer_names=targets)
-    if not backbone._lora_enabled_layers:
-        can = sorted(
-            {
-                layer.name
-                for layer in backbone._flatten_layers(include_self=False)
-                if hasattr(layer, "enable_lora")
-            }
-        )
+    layers = keras_compat.sublayers(backbone)
+    if not any(getattr(layer, "lora_enabled", False) for layer in layers):
+        can = sorted({layer.name for layer in layers if hasattr(layer, "enable_lora")})
         raise ConfigError(
             f"model.lora_targets={targets} names no layer of {named} that takes LoRA; "
             f"its layers that do: {_examples(can)}"
@@ -184,8 +180,16 @@ class HubCausalLM(keras.Model):
 
     def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:
         """The task as a keras-hub preset: config, weights (LoRA merged into the kernels),
-        tokenizer where it has one."""
-        self.task.save_to_preset(preset_dir, max_shard_size=max_shard_size)
+        tokenizer where it has one. Its config records the dtype the weights are stored in:
+        keras-hub 0.32's loader takes a mixed policy's name for a dtype and fails on it
+        (`Invalid dtype: mixed_bfloat16`)."""
+        backbone = self.task.backbone
+        policy = backbone.dtype_policy
+        backbone.dtype_policy = policy.variable_dtype
+        try:
+            self.task.save_to_preset(preset_dir, max_shard_size=max_shard_size)
+        finally:
+            backbone.dtype_policy = policy
 
     def save_lora_weights(self, path: str) -> None:
         self.task.backbone.save_lora_weights(path)
@@ -235,29 +239,14 @@ def _preset_config(preset: str) -> tuple[type, dict]:
     """The backbone class a preset's config names, and its constructor arguments, read
     without its weights: a Keras-format preset's own (`save_to_preset`), or those keras-hub
     converts a transformers-format `config.json` to (a Hugging Face checkpoint)."""
-    from keras_hub.src.utils.preset_utils import KerasPresetLoader, get_preset_loader
-
     try:
-        loader = get_preset_loader(preset)
-        cls = loader.check_backbone_class()
-        if isinstance(loader, KerasPresetLoader):
-            return cls, loader.config.get("config", {})
-        return cls, _converted_config(loader, cls)
+        return keras_compat.preset_backbone(preset)
     except Exception as error:
         raise ConfigError(
             f"model.preset={preset!r} is not a keras-hub preset (a directory that "
             "save_to_preset wrote, a transformers-format checkpoint keras-hub converts, or a "
             f"handle): {type(error).__name__}: {error}"
         ) from None
-
-
-def _converted_config(loader, cls: type) -> dict:
-    """The backbone arguments keras-hub's converter of a transformers-format config gives
-    (as its `TransformersPresetLoader.load_backbone` calls it)."""
-    convert = loader.converter.convert_backbone_config
-    if len(inspect.signature(convert).parameters) == 1:
-        return convert(loader.config)
-    return convert(loader.config, cls)
 
 
 def loss() -> keras.losses.Loss:

@@ -11,22 +11,23 @@ the rest there.
   function makes of them is recomputed;
 - a regex: the layers whose path it full-matches (`block_\\d+_attention`), each wholly.
 
-Layers are marked through Keras' own mechanism (`Layer._remat_mode`, read at each call), but
-checkpointed with their call's keywords held static: Keras 3.15's `RematScope(mode="full")`
-hands `training=False` to `jax.checkpoint` as a traced value, which fails on a functional
-model and on any layer that branches on it. Keras has no policy-based remat: `dots` passes
-JAX's policy to the same `jax.checkpoint`.
+Layers are marked through Keras' own mechanism (`keras_compat.rematerialise`: a mark Keras
+reads at each call), but checkpointed with their call's keywords held static: Keras 3.15's
+`RematScope(mode="full")` hands `training=False` to `jax.checkpoint` as a traced value, which
+fails on a functional model and on any layer that branches on it. Keras has no policy-based
+remat: `dots` passes JAX's policy to the same `jax.checkpoint`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from training import keras_compat
 from training.config import ConfigError
 from training.contracts import ArraySpec, DataSpec
 
@@ -42,6 +43,8 @@ EVERY_LAYER = "full"
 KEEPING_PROJECTIONS = "dots"
 ACTIVATIONS = "activations"
 MODES = (NO_REMAT, EVERY_LAYER, KEEPING_PROJECTIONS, ACTIVATIONS)
+# The layers marked under `dots` (the analysis of what a step keeps reads it).
+_KEEPING_PROJECTIONS = weakref.WeakSet()
 
 
 @contextmanager
@@ -79,8 +82,6 @@ def remat_layers(model, remat: str, data_spec: DataSpec) -> None:
     if remat == ACTIVATIONS:
         _check_has_activations(model)
         return
-    from keras.src.backend.common.remat import RematMode
-
     updated = _updated_in_step(model, data_spec, remat)
     everything = remat in (EVERY_LAYER, KEEPING_PROJECTIONS)
 
@@ -92,10 +93,15 @@ def remat_layers(model, remat: str, data_spec: DataSpec) -> None:
         raise ConfigError(_marks_nothing(model, remat, wanted, updated))
     keeps_projections = remat == KEEPING_PROJECTIONS
     for layer in layers:
-        layer._remat_mode = RematMode(EVERY_LAYER, None, [])
-        layer._remat_keeps_projections = keeps_projections
+        if keeps_projections:
+            _KEEPING_PROJECTIONS.add(layer)
         checkpointed = functools.partial(_checkpointed, keeps_projections=keeps_projections)
-        layer.rematerialized_call = types.MethodType(checkpointed, layer)
+        keras_compat.rematerialise(layer, checkpointed)
+
+
+def keeps_projections(layer) -> bool:
+    """Whether a rematerialised layer keeps its projections' outputs (`dots`)."""
+    return layer in _KEEPING_PROJECTIONS
 
 
 def _outermost(container, wanted, updated: set[int]) -> Iterator:
@@ -103,7 +109,7 @@ def _outermost(container, wanted, updated: set[int]) -> Iterator:
     input) and update no state (hold no variable in `updated`)."""
     import keras
 
-    for layer in container._flatten_layers(include_self=False, recursive=False):
+    for layer in keras_compat.sublayers(container, recursive=False):
         if isinstance(layer, keras.layers.InputLayer):
             continue
         if (
@@ -175,7 +181,7 @@ def _marks_nothing(model, remat: str, wanted, updated: set[int]) -> str:
 
     layers = [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in keras_compat.sublayers(model)
         if layer.path and not isinstance(layer, keras.layers.InputLayer)
     ]
     if remat in (EVERY_LAYER, KEEPING_PROJECTIONS):
@@ -206,8 +212,8 @@ def _check_has_activations(model) -> None:
     linear = keras.activations.linear
     found = [
         layer
-        for layer in model._flatten_layers(include_self=False)
-        if getattr(layer, "_remat_mode", None) is not None
+        for layer in keras_compat.sublayers(model)
+        if keras_compat.remat_mode(layer) is not None
         and getattr(layer, "activation", None) not in (None, linear)
     ]
     if not found:

@@ -55,6 +55,7 @@ def loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+@keras.saving.register_keras_serializable(package="training")
 class TokenEmbedding(keras.layers.Embedding):
     """An embedding that can also map hidden states back to vocabulary logits (tied head)."""
 
@@ -69,10 +70,14 @@ class TokenEmbedding(keras.layers.Embedding):
         return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype=self.compute_dtype)
 
 
+@keras.saving.register_keras_serializable(package="training")
 class PositionEmbedding(keras.layers.Layer):
     def __init__(self, length: int, **kwargs):
         super().__init__(**kwargs)
         self.length = length
+
+    def get_config(self):
+        return {**super().get_config(), "length": self.length}
 
     def build(self, input_shape):
         self.embeddings = self.add_weight(
@@ -83,6 +88,7 @@ class PositionEmbedding(keras.layers.Layer):
         return inputs + ops.cast(self.embeddings, inputs.dtype)
 
 
+@keras.saving.register_keras_serializable(package="training")
 class CausalSelfAttention(keras.layers.Layer):
     """Multi-head causal self-attention whose query, key and value come from one fused
     projection, (d_model) -> (3, heads, head_dim). Split by heads, the gradient of the
@@ -95,6 +101,9 @@ class CausalSelfAttention(keras.layers.Layer):
         self.heads = heads
         self.head_dim = head_dim
         self.attention = attention
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads, "head_dim": self.head_dim}
 
     def build(self, input_shape):
         self.qkv = keras.layers.EinsumDense(

@@ -1,13 +1,12 @@
-"""Weights read into a built model: `model.init_from` on the hosts, and their shapes alone on
-the driver (whose abstract model has no values to read them into)."""
+"""Weights read into a built model: `model.init_from` (on the driver, whose abstract model
+has no values to read them into, their shapes alone: `keras_compat.loading_shapes_only`)."""
 
 from __future__ import annotations
 
 import os
 import re
-from contextlib import contextmanager
-from dataclasses import dataclass
 
+from training import keras_compat
 from training.config import ConfigError
 
 # Keras lists every object that could not be loaded; a few name the problem.
@@ -25,7 +24,7 @@ def load_initial_weights(model, path: str) -> None:
     # Keras' loading zeroes a LoRA layer's matrices (its kernel is what is saved): with both
     # zero neither would get a gradient; `b` starts at zero anyway, `a` gets back its start.
     lora_a = [
-        (v, v.value) for v in model.weights if v.path.endswith(LORA_A) and v._value is not None
+        (v, v.value) for v in model.weights if v.path.endswith(LORA_A) and keras_compat.has_value(v)
     ]
     try:
         model.load_weights(path)
@@ -50,49 +49,3 @@ def _mismatches(message: str) -> str:
     more = f" and {len(names) - MISMATCHES_SHOWN} more" if len(names) > MISMATCHES_SHOWN else ""
     shown = ", ".join(names[:MISMATCHES_SHOWN])
     return f"{' '.join(lines[: min(listed, 2)])}; not loaded: {shown}{more}"
-
-
-@dataclass(frozen=True)
-class StoredArray:
-    """An array in a weights file, known by its metadata alone."""
-
-    shape: tuple[int, ...]
-
-
-@contextmanager
-def shapes_only_loading():
-    """While inside, Keras' `load_weights` reads the names and shapes of what it loads, and
-    no values: Keras' weights store gives each array's metadata (h5py reads it without the
-    data) and each variable checks its shape instead of assigning it."""
-    import keras
-    import numpy as np
-    from keras.src.backend.common.variables import Variable
-    from keras.src.saving import saving_lib
-
-    original = keras.Model.load_weights
-
-    def stored(store, key):
-        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)
-        return StoredArray(tuple(dataset.shape))
-
-    def check_shape(variable, value):
-        if tuple(np.shape(value)) != tuple(variable.shape):
-            raise ValueError(
-                f"variable {variable.path} has shape {tuple(variable.shape)}, the stored "
-                f"value {tuple(np.shape(value))}"
-            )
-        return variable
-
-    def load_shapes(self, *args, **kwargs):
-        assign, read = Variable.assign, saving_lib.H5IOStore.__getitem__
-        Variable.assign, saving_lib.H5IOStore.__getitem__ = check_shape, stored
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            Variable.assign, saving_lib.H5IOStore.__getitem__ = assign, read
-
-    keras.Model.load_weights = load_shapes
-    try:
-        yield
-    finally:
-        keras.Model.load_weights = original

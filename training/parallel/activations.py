@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from training import keras_compat
+from training.models.remat import keeps_projections
 from training.parallel import layer_graph
 from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, Rules
 
@@ -154,10 +156,10 @@ class _Kept(Derivation):
     def _node(self, node) -> None:
         layer = node.operation
         outer = self.remat_layer
-        entered = outer is None and _rematerialised(layer)
+        entered = outer is None and keras_compat.is_rematerialised(layer)
         if entered:
             self.remat_layer = getattr(layer, "path", None) or layer.name
-            self.remat_keeps_projections = getattr(layer, "_remat_keeps_projections", False)
+            self.remat_keeps_projections = keeps_projections(layer)
             self.segments.append(Segment())
         if entered or (outer is None and _leaf(layer)):
             self._use_weights(layer)
@@ -330,26 +332,18 @@ def _identity(node) -> bool:
     its input has already (a Keras loss's to float32 of float32 logits), dropout at rate 0
     (keras-hub's defaults)."""
     import keras
-    from keras.src.ops.core import Cast
 
     operation = node.operation
     if isinstance(operation, keras.layers.Dropout):
         return operation.rate == 0
-    if not isinstance(operation, Cast):
+    if not isinstance(operation, keras_compat.operation_classes().Cast):
         return False
     return [t.dtype for t in node.input_tensors] == [t.dtype for t in node.outputs]
 
 
 def _sources(tensor) -> list:
     """The tensors the operation that made `tensor` read."""
-    history = getattr(tensor, "_keras_history", None)
-    if history is None:
-        return []
-    return list(history.operation._inbound_nodes[history.node_index].input_tensors)
-
-
-def _rematerialised(layer) -> bool:
-    return getattr(getattr(layer, "_remat_mode", None), "mode", "") == "full"
+    return keras_compat.produced_from(tensor)
 
 
 def _projection(operation) -> bool:
@@ -362,18 +356,17 @@ def _projection(operation) -> bool:
 def _keeps_output(operation) -> bool:
     """A contraction, a layer with weights (a norm), or a softmax: its output is kept."""
     import keras
-    from keras.src.ops.nn import DotProductAttention, Softmax
-    from keras.src.ops.numpy import Einsum, Matmul
 
-    if getattr(operation, "_layers", None) or hasattr(operation, "_nodes_by_depth"):
+    if not _leaf(operation):
         return False  # followed through its own graph: its inner ops are counted
     if getattr(operation, "weights", None):
         return True
-    kinds = (Einsum, Matmul, DotProductAttention, Softmax, keras.layers.Softmax)
+    ops = keras_compat.operation_classes()
+    kinds = (ops.Einsum, ops.Matmul, ops.DotProductAttention, ops.Softmax, keras.layers.Softmax)
     return isinstance(operation, kinds)
 
 
 def _leaf(operation) -> bool:
     """An operation that makes its outputs itself: not a layer followed through its own
     graph (whose inner operations are counted)."""
-    return not getattr(operation, "_layers", None) and not hasattr(operation, "_nodes_by_depth")
+    return not keras_compat.holds_layers(operation) and not keras_compat.is_functional(operation)

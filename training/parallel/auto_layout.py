@@ -30,11 +30,12 @@ import math
 import re
 from dataclasses import dataclass
 
+from training import keras_compat
 from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel import layer_graph
-from training.parallel.tensor_parallel import Derivation, kernel_variable
+from training.parallel.tensor_parallel import Derivation
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -207,8 +208,8 @@ class _Chooser(Derivation):
 
     def split_biases(self, model) -> None:
         """A column-split projection's bias is split with its output."""
-        for layer in model._flatten_layers():
-            kernel = kernel_variable(layer) if hasattr(layer, "kernel") else None
+        for layer in keras_compat.all_layers(model):
+            kernel = keras_compat.base_kernel(layer) if hasattr(layer, "kernel") else None
             bias = getattr(layer, "bias", None)
             axes = self.decided.get(getattr(kernel, "path", None))
             if bias is None or not axes or bias.path in self.overrides:

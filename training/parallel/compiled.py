@@ -85,7 +85,6 @@ def compiled_train_step(model, x, y):
     """The model's train step compiled as Keras's own `make_train_function` compiles it: the
     state sharded as the live variables are, and donated."""
     import jax
-    from keras.src.backend.jax.trainer import _distribute_data
 
     state = (
         [v.value for v in model.trainable_variables],
@@ -93,10 +92,23 @@ def compiled_train_step(model, x, y):
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    step = jax.jit(
-        model.train_step, out_shardings=(None, model._get_state_sharding_spec()), donate_argnums=0
+    shardings = jax.tree.map(lambda value: value.sharding, state)
+    step = jax.jit(model.train_step, out_shardings=(None, shardings), donate_argnums=0)
+    return step.lower(state, _as_keras_places((x, y))).compile()
+
+
+def _as_keras_places(batch):
+    """The batch's arrays laid out as Keras lays out an input batch: its distribution's data
+    layout."""
+    import jax
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return jax.device_put(batch)
+    return jax.tree.map(
+        lambda a: jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout), batch
     )
-    return step.lower(state, _distribute_data((x, y, None))).compile()
 
 
 def _shard_bytes(variables) -> int:

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from training import models
-from training.build import DTYPE_POLICIES
 from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
@@ -57,13 +56,9 @@ class AbstractModel:
 
 
 def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> AbstractModel:
-    """The config's model built abstractly (or `keras_model`, already so built, with
-    trainer.remat applied) and its optimizer's variables."""
-    import keras
-
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(DTYPE_POLICIES[cfg.trainer.precision])
-    try:
+    """The config's model built abstractly (or `keras_model`, already so built, in the run's
+    dtype policy, with trainer.remat applied) and its optimizer's variables."""
+    with models.dtype_policy(cfg.trainer.dtype_policy):
         # The optimizer's own scalars have no deferred initializer: they are made for real.
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
         model = keras_model
@@ -73,8 +68,6 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> Abs
             )
         with models.without_weights():  # the slots stay abstract: none is allocated
             optimizer.build(model.trainable_variables)
-    finally:
-        keras.config.set_dtype_policy(previous)
     return AbstractModel(
         variables=tuple(models.variable_info(v) for v in model.variables),
         trainable=frozenset(v.path for v in model.trainable_variables),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from training import keras_compat
 from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
 from training.models import SPLIT_THRESHOLD_BYTES, rule_axes
@@ -71,12 +72,11 @@ def gather_for_use(model) -> None:
     """Make the model's step use each weight split over `data` whole over `data` (still
     split over `model` as laid out), its gradient reduced straight to the weight's shards:
     the model's `compute_loss_and_updates`, which Keras' `train_step` and `test_step` call,
-    receives the weights so gathered."""
+    receives the weights so gathered (`keras_compat.replace_loss_and_updates`)."""
     trainable = [_gather(v) for v in model.trainable_variables]
     non_trainable = [_gather(v) for v in model.non_trainable_variables]
     if not any(trainable + non_trainable):
         return
-    compute = model.compute_loss_and_updates
 
     def gathered(values, gathers):
         return [
@@ -84,15 +84,18 @@ def gather_for_use(model) -> None:
             for value, gather in zip(values, gathers, strict=True)
         ]
 
-    def compute_with_gathered_weights(trainable_values, non_trainable_values, *args, **kwargs):
-        return compute(
-            gathered(trainable_values, trainable),
-            gathered(non_trainable_values, non_trainable),
-            *args,
-            **kwargs,
-        )
+    def with_gathered_weights(compute):
+        def compute_with_gathered_weights(trainable_values, non_trainable_values, *args, **kw):
+            return compute(
+                gathered(trainable_values, trainable),
+                gathered(non_trainable_values, non_trainable),
+                *args,
+                **kw,
+            )
 
-    model.compute_loss_and_updates = compute_with_gathered_weights
+        return compute_with_gathered_weights
+
+    keras_compat.replace_loss_and_updates(model, with_gathered_weights)
 
 
 def _gather(variable):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import string
 from typing import NamedTuple
 
+from training import keras_compat
+
 
 class Graph(NamedTuple):
     inputs: list
@@ -30,13 +32,12 @@ def untraceable(model) -> str | None:
 
 
 def _graph(model) -> tuple[Graph | None, str | None]:
-    functional = model if hasattr(model, "_nodes_by_depth") else None
-    functional = functional or getattr(model, "_functional", None)  # Sequential
+    functional = keras_compat.functional_of(model)
     if functional is None:
         functional, why = _traced(model)
         if functional is None:
             return None, why
-    by_depth = functional._nodes_by_depth
+    by_depth = keras_compat.nodes_by_depth(functional)
     nodes = [
         node
         for depth in sorted(by_depth, reverse=True)
@@ -51,10 +52,8 @@ def _traced(model):
     with records a node per layer (and per keras.ops call), as a functional model has. (None,
     why) where it cannot run so."""
     import keras
-    from keras.src.backend import name_scope
-    from keras.src.ops.function import Function
 
-    shapes = getattr(model, "_build_shapes_dict", None)
+    shapes = keras_compat.build_input_shapes(model)
     if not shapes or len(shapes) != 1:
         arguments = len(shapes or {})
         return None, f"its call was built on {arguments} arguments, not on one input (or a dict)"
@@ -67,9 +66,9 @@ def _traced(model):
             else:
                 inputs = keras.KerasTensor(tuple(shape), dtype=dtype)
             # As Keras calls it (the same variable paths), creating no real variables.
-            with keras.StatelessScope(), name_scope(model.name, caller=model):
+            with keras.StatelessScope(), keras.name_scope(model.name, caller=model):
                 outputs = model.call(inputs)
-            return Function(keras.tree.flatten(inputs), outputs), None
+            return keras.Function(keras.tree.flatten(inputs), outputs), None
         except Exception as error:  # noqa: BLE001 - a call that cannot run symbolically
             cause = str(error).splitlines()[0] if str(error) else ""
             failures.append(f"{type(error).__name__}: {cause}")
@@ -84,7 +83,6 @@ def call_graph(layer, node) -> Graph | None:
     broadcast to (batch, length, length)) cannot run on an unknown batch: it is run again on
     a batch of one, which changes no byte count (those are per example)."""
     import keras
-    from keras.src.ops.function import Function
 
     for batch in (None, 1):
 
@@ -103,7 +101,7 @@ def call_graph(layer, node) -> Graph | None:
         try:
             with keras.StatelessScope():
                 outputs = layer.call(*args, **kwargs)
-            return graph(Function(inputs, outputs))
+            return graph(keras.Function(inputs, outputs))
         except Exception:  # noqa: BLE001 - a call that cannot run symbolically: one opaque layer
             continue
     return None
@@ -145,4 +143,4 @@ def expand_ellipsis(equation: str, x_rank: int, y_rank: int) -> str:
 
 def layer_paths(model) -> frozenset[str]:
     """The paths of the model's layers and their sublayers (those Keras gave one)."""
-    return frozenset(layer.path for layer in model._flatten_layers() if layer.path)
+    return frozenset(layer.path for layer in keras_compat.all_layers(model) if layer.path)

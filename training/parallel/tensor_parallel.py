@@ -51,6 +51,7 @@ import math
 import re
 import string
 
+from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.models import rule_axes
 from training.parallel import layer_graph
@@ -105,12 +106,6 @@ def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
         if "model" in rule_axes(variable.path, rules):
             found += gathered_weight(variable.path, array_bytes(variable.shape, variable.dtype), n)
     return found
-
-
-def kernel_variable(layer):
-    """A Dense or EinsumDense layer's kernel variable: with LoRA on, `layer.kernel` is the
-    kernel plus LoRA's product, computed, and the variable is `_kernel`."""
-    return layer._kernel if getattr(layer, "lora_enabled", False) else layer.kernel
 
 
 def _split_dim(axes: tuple[str | None, ...]):
@@ -267,10 +262,8 @@ class Derivation:
 
     def _node(self, node) -> None:
         import keras
-        from keras.src.ops.core import Unstack
-        from keras.src.ops.nn import DotProductAttention
-        from keras.src.ops.numpy import Einsum, Repeat
 
+        ops = keras_compat.operation_classes()
         layer = node.operation
         args, kwargs = node.arguments.args, node.arguments.kwargs
         ins = list(node.input_tensors)
@@ -290,30 +283,32 @@ class Derivation:
             key = value if key is None else key
             self._attention(layer, query, value, key, outs[0])
         elif isinstance(layer, keras.layers.EinsumDense):
-            state = self._einsum(layer.equation, ins[0], kernel_variable(layer), outs[0], path)
+            state = self._einsum(
+                layer.equation, ins[0], keras_compat.base_kernel(layer), outs[0], path
+            )
             self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Dense) and len(ins) == 1:
             rank = len(ins[0].shape)
             letters = string.ascii_lowercase[:rank]
             equation = f"{letters},{letters[-1]}z->{letters[:-1]}z"
-            state = self._einsum(equation, ins[0], kernel_variable(layer), outs[0], path)
+            state = self._einsum(equation, ins[0], keras_compat.base_kernel(layer), outs[0], path)
             self.set_output(path, outs[0], state)
         elif isinstance(layer, keras.layers.Embedding) and len(ins) == 1:
             self._embedding(layer, ins[0], outs[0], path)
-        elif hasattr(layer, "_nodes_by_depth"):  # a functional model used as a layer
+        elif keras_compat.is_functional(layer):  # a functional model used as a layer
             inner = layer_graph.call_graph(layer, node) or layer_graph.graph(layer)
             self._inner(inner, ins, outs, path)
-        elif getattr(layer, "_layers", None) and (inner := layer_graph.call_graph(layer, node)):
+        elif keras_compat.holds_layers(layer) and (inner := layer_graph.call_graph(layer, node)):
             self._inner(inner, ins, outs, path)
-        elif isinstance(layer, Einsum):
+        elif isinstance(layer, ops.Einsum):
             self._einsum_op(layer.subscripts, ins, outs[0], path)
-        elif isinstance(layer, Unstack):
+        elif isinstance(layer, ops.Unstack):
             self._unstack(layer.axis, ins[0], outs, path)
-        elif isinstance(layer, DotProductAttention) and all(len(t.shape) == 4 for t in ins):
+        elif isinstance(layer, ops.DotProductAttention) and all(len(t.shape) == 4 for t in ins):
             # (batch, length, heads, head dim); a mask or bias is (batch, heads, query, key)
             masks = ",bnts" * (len(ins) - 3)
             self._einsum_op(f"btnh,bsnh,bsnh{masks}->btnh", ins, outs[0], path)
-        elif isinstance(layer, Repeat) and layer.axis is not None:
+        elif isinstance(layer, ops.Repeat) and layer.axis is not None:
             # Each element repeated in place along an axis (grouped-query attention's key and
             # value heads, once per query head of their group): each device repeats its own.
             self.set_output(path, outs[0], self._whole_or_split(ins[0], path))
@@ -460,12 +455,14 @@ class Derivation:
 
         projected = []
         for dense, x in (
-            (layer._query_dense, query),
-            (layer._key_dense, key),
-            (layer._value_dense, value),
+            (layer.query_dense, query),
+            (layer.key_dense, key),
+            (layer.value_dense, value),
         ):
             out = keras.KerasTensor(dense.compute_output_shape(x.shape), dtype=x.dtype)
-            state = self._einsum(dense.equation, x, kernel_variable(dense), out, dense.path)
+            state = self._einsum(
+                dense.equation, x, keras_compat.base_kernel(dense), out, dense.path
+            )
             self.set_output(dense.path, out, state)
             projected.append(out)
         q, k, v = projected
@@ -478,8 +475,10 @@ class Derivation:
                 self._whole(t, layer.path)
                 self.state[id(t)] = REPLICATED
             self.state[id(context)] = REPLICATED
-        dense = layer._output_dense
-        state = self._einsum(dense.equation, context, kernel_variable(dense), y, dense.path)
+        dense = layer.output_dense
+        state = self._einsum(
+            dense.equation, context, keras_compat.base_kernel(dense), y, dense.path
+        )
         self.set_output(dense.path, y, state)
         self.set_output(layer.path, y, self._get(y))
 
@@ -531,7 +530,7 @@ class Derivation:
 
 
 def _producer(tensor) -> str:
-    operation = getattr(getattr(tensor, "_keras_history", None), "operation", None)
+    operation = keras_compat.producer(tensor)
     return getattr(operation, "path", None) or operation.name if operation else "input"
 
 
@@ -556,13 +555,12 @@ def _reduced_dims(layer, rank: int) -> set[int]:
     """Dimensions (counted from the last, -1) a normalization or softmax reduces over: a split
     there is gathered first. Positive axes are taken as counted from the first."""
     import keras
-    from keras.src.ops.nn import Softmax as SoftmaxOp
 
     kinds = (
         keras.layers.LayerNormalization,
         keras.layers.Softmax,
         keras.layers.RMSNormalization,
-        SoftmaxOp,
+        keras_compat.operation_classes().Softmax,
     )
     if not isinstance(layer, kinds):
         return set()
@@ -572,5 +570,5 @@ def _reduced_dims(layer, rank: int) -> set[int]:
 
 def _heads_dim(layer) -> int:
     """The heads dimension of MultiHeadAttention's projected query [B, T, N, H]."""
-    output = layer._query_dense.equation.split("->")[1]
+    output = layer.query_dense.equation.split("->")[1]
     return len(output) - 2

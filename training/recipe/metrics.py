@@ -7,6 +7,7 @@ Keras' own `compile` (without sample weights they are the same).
 
 from __future__ import annotations
 
+from training import keras_compat
 from training.config import ConfigError, ModelConfig
 from training.config.common import names_object
 from training.contracts import DataSpec
@@ -47,7 +48,7 @@ def check_metrics_fit(cfg: ModelConfig, model, data_spec: DataSpec, evaluates: b
     names (`eval_loss`, `eval_accuracy`, ...), none where the run does not evaluate."""
     with without_weights():  # the metrics' and the optimizer's variables too
         try:
-            model._symbolic_build(data_batch=symbolic_batch(data_spec))
+            keras_compat.build_training_state(model, symbolic_batch(data_spec))
         except Exception as error:
             raise ConfigError(_metric_misfit(cfg, model, data_spec, error)) from None
     return [f"eval_{name}" for name in _check_test_step(model, data_spec)] if evaluates else []
@@ -76,7 +77,7 @@ def _first_misfit(cfg: ModelConfig, model, data_spec: DataSpec) -> tuple[str, st
                 optimizer=model.optimizer, loss=model.loss, metrics=build_metrics(key, [name])
             )
             try:
-                model._symbolic_build(data_batch=symbolic_batch(data_spec))
+                keras_compat.build_training_state(model, symbolic_batch(data_spec))
             except Exception:
                 return key, name
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from training import keras_compat
 from training.config import ConfigError, OptimizerConfig
 from training.models.locate import locate
 
@@ -122,9 +123,7 @@ def per_update(schedule: Schedule | float, accumulate: int) -> Schedule | float:
 def learning_rate_at(optimizer, micro_step: int) -> float:
     """The learning rate `optimizer` applies at its micro-step `micro_step` (0-based; Keras'
     count, which `PerUpdate` turns into updates)."""
-    # Keras keeps the schedule it was given as `_learning_rate`; its public `learning_rate`
-    # evaluates it at the optimizer's current count only.
-    schedule = optimizer._learning_rate
+    schedule = keras_compat.learning_rate_schedule(optimizer)
     if isinstance(schedule, Schedule):
         return float(schedule(micro_step))
     return float(optimizer.learning_rate)

@@ -1,0 +1,315 @@
+"""Keras' and keras-hub's internals, all here: the private modules and attributes the package
+reads, and the patches of Keras' classes it makes for a while. Keras 3.15 (pinned below
+3.16) offers no public route to any of them; where one exists, the callers use it instead.
+Each is tested in `tests/test_keras_compat.py` for what the package relies on, so that a Keras
+that renames an attribute, or no longer calls what is patched, fails a test rather than
+silently changing what a run does. No other module imports `keras.src` or `keras_hub.src`
+or touches a private attribute of a Keras object (`tests/test_layers.py` holds it so).
+
+Nothing here imports Keras at import time, nor any other module of the package.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+# -- layers and their graph ----------------------------------------------------------------
+
+
+def all_layers(layer) -> list:
+    """`layer` and every layer under it, at any depth (Keras' own traversal, which Keras
+    offers publicly only for a model's direct layers, `Model.layers`)."""
+    return list(layer._flatten_layers())
+
+
+def sublayers(layer, recursive: bool = True) -> list:
+    """The layers under `layer` (its direct ones unless `recursive`), itself left out."""
+    return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+def holds_layers(operation) -> bool:
+    """A layer made of layers (a keras-hub block, a user's own): its call can be followed."""
+    return bool(getattr(operation, "_layers", None))
+
+
+def is_functional(operation) -> bool:
+    """A functional model (used as a model or as a layer): it has a node graph."""
+    return hasattr(operation, "_nodes_by_depth")
+
+
+def functional_of(model):
+    """The functional graph a functional or Sequential model runs, or None (subclassed)."""
+    if is_functional(model):
+        return model
+    return getattr(model, "_functional", None)
+
+
+def nodes_by_depth(functional) -> dict:
+    """A functional graph's nodes, by depth (the deepest, the inputs, has the largest)."""
+    return functional._nodes_by_depth
+
+
+def build_input_shapes(model) -> dict | None:
+    """The input shapes a subclassed model was built with, by argument name (None if
+    Keras did not record them)."""
+    return getattr(model, "_build_shapes_dict", None)
+
+
+def call_keywords(layer) -> list[dict]:
+    """The keyword arguments of each call of `layer` recorded in a functional graph (its
+    inbound nodes): `reverse=True` where an embedding is read as the output head."""
+    return [node.arguments.kwargs for node in layer._inbound_nodes]
+
+
+def producer(tensor):
+    """The operation (layer or op) whose output the symbolic `tensor` is, or None (an
+    input, or a tensor no operation made)."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def produced_from(tensor) -> list:
+    """The tensors the operation that made the symbolic `tensor` read."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return []
+    return list(history.operation._inbound_nodes[history.node_index].input_tensors)
+
+
+def operation_classes() -> types.SimpleNamespace:
+    """The classes of the `keras.ops` calls a layer graph records as nodes, which Keras does
+    not export (its public `keras.ops` are functions)."""
+    from keras.src.ops.core import Cast, Unstack
+    from keras.src.ops.nn import DotProductAttention, Softmax
+    from keras.src.ops.numpy import Einsum, Matmul, Repeat
+
+    return types.SimpleNamespace(
+        Cast=Cast,
+        Unstack=Unstack,
+        DotProductAttention=DotProductAttention,
+        Softmax=Softmax,
+        Einsum=Einsum,
+        Matmul=Matmul,
+        Repeat=Repeat,
+    )
+
+
+def base_kernel(layer):
+    """A Dense or EinsumDense layer's kernel variable: with LoRA on, the public `kernel` is
+    the kernel plus LoRA's product, computed, not a variable."""
+    return layer._kernel if getattr(layer, "lora_enabled", False) else layer.kernel
+
+
+def has_value(variable) -> bool:
+    """Whether a variable holds a value (one made while building abstractly does not)."""
+    return variable._value is not None
+
+
+# -- the training state --------------------------------------------------------------------
+
+
+def build_training_state(model, data_batch) -> None:
+    """Build what a compiled model's step needs besides its layers: the optimizer's
+    variables, the compiled metrics and loss (what `fit` builds before its first step), for
+    batches like `data_batch` (symbolic tensors)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def loss_tracker(model):
+    """The Mean metric a compiled model's step reports as its loss."""
+    return model._loss_tracker
+
+
+def learning_rate_schedule(optimizer):
+    """The learning rate an optimizer was given (a schedule or a number): its public
+    `learning_rate` is that schedule's value at the optimizer's own count only."""
+    return optimizer._learning_rate
+
+
+def replace_loss_and_updates(model, wrap) -> None:
+    """Keras' JAX `train_step` and `test_step` get the loss and its gradient from the model's
+    `compute_loss_and_updates(trainable_values, non_trainable_values, ...)`: this model's is
+    replaced by `wrap(its own)`. On the instance: a subclass of a model a user's function
+    built would change the class `model.save` records, and an export of a model of a
+    registered class could no longer be loaded."""
+    model.compute_loss_and_updates = wrap(model.compute_loss_and_updates)
+
+
+# -- rematerialisation ---------------------------------------------------------------------
+
+# Keras' mark of a layer rematerialised whole (`RematScope(mode="full")` sets the same).
+FULL = "full"
+
+
+def rematerialise(layer, checkpointed) -> None:
+    """Mark `layer` as Keras marks a layer for rematerialisation: at each call Keras reads the
+    mark and calls `checkpointed(layer, call, *args, **kwargs)` for the function to run in
+    place of `call`."""
+    from keras.src.backend.common.remat import RematMode
+
+    layer._remat_mode = RematMode(FULL, None, [])
+    layer.rematerialized_call = types.MethodType(checkpointed, layer)
+
+
+def is_rematerialised(layer) -> bool:
+    """Whether Keras recomputes the whole layer in the backward pass."""
+    return remat_mode(layer) == FULL
+
+
+def remat_mode(layer) -> str | None:
+    """The rematerialisation Keras gave `layer` (`full`, or `activations` from the
+    RematScope it was built in); None for none."""
+    return getattr(getattr(layer, "_remat_mode", None), "mode", None)
+
+
+# -- building without weights --------------------------------------------------------------
+
+
+def reset_layer_names() -> None:
+    """Restart Keras' counters of default layer names (`dense`, `dense_1`, ...), as in a
+    fresh process."""
+    from keras.src.utils.naming import reset_uids
+
+    reset_uids()
+
+
+@contextmanager
+def variables_left_uninitialized():
+    """Variables created inside and left uninitialized (a stateless scope that does not
+    initialize them) stay so: out of Keras' list of variables that the next stateless
+    scope's exit initializes."""
+    from keras.src.backend.common import global_state
+
+    key = "uninitialized_variables"
+    waiting = list(global_state.get_global_attribute(key, []))
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(key, waiting)
+
+
+@contextmanager
+def values_made_abstract():
+    """While inside (process-wide), a variable created from a value is created as from an
+    initializer returning it, which a stateless scope leaves abstract like any other; Keras
+    refuses a variable made from a value there."""
+    import jax
+    import numpy as np
+    from keras.src.backend.common.variables import Variable
+
+    original = Variable.__init__
+
+    def init(self, initializer, shape=None, dtype=None, *args, **kwargs):
+        if not callable(initializer) and not isinstance(initializer, str):
+            value = initializer
+            shape = np.shape(value) if shape is None else shape
+            # As JAX would type it (int32 for a Python int, without x64).
+            dtype = dtype or jax.dtypes.canonicalize_dtype(np.result_type(value))
+            initializer = lambda shape, dtype=None: value  # noqa: E731
+        original(self, initializer, shape, dtype, *args, **kwargs)
+
+    Variable.__init__ = init
+    try:
+        yield
+    finally:
+        Variable.__init__ = original
+
+
+@dataclass(frozen=True)
+class StoredArray:
+    """An array in a weights file, known by its metadata alone."""
+
+    shape: tuple[int, ...]
+
+
+@contextmanager
+def loading_shapes_only():
+    """While inside (process-wide), `load_weights` reads the names and shapes of what it
+    loads, and no values: each array's shape comes from h5py's metadata of its dataset, and
+    each variable checks it instead of assigning the value. Keras pairs the file's arrays
+    with the variables by its own traversal of the model, which has no public form, so its
+    loader runs with its store's reads and its variables' assignment replaced."""
+    import keras
+    import numpy as np
+    from keras.src.backend.common.variables import Variable
+    from keras.src.saving import saving_lib
+
+    original = keras.Model.load_weights
+
+    def stored(store, key):
+        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)
+        return StoredArray(tuple(dataset.shape))
+
+    def check_shape(variable, value):
+        if tuple(np.shape(value)) != tuple(variable.shape):
+            raise ValueError(
+                f"variable {variable.path} has shape {tuple(variable.shape)}, the stored "
+                f"value {tuple(np.shape(value))}"
+            )
+        return variable
+
+    def load_shapes(self, *args, **kwargs):
+        assign, read = Variable.assign, saving_lib.H5IOStore.__getitem__
+        Variable.assign, saving_lib.H5IOStore.__getitem__ = check_shape, stored
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            Variable.assign, saving_lib.H5IOStore.__getitem__ = assign, read
+
+    keras.Model.load_weights = load_shapes
+    try:
+        yield
+    finally:
+        keras.Model.load_weights = original
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def saving_reads_with(read):
+    """While inside (process-wide), Keras' saving reads each value it writes (a layer's, a
+    metric's or the optimizer's variable) as `read(array)` gives it, `array` a variable's
+    value or any value Keras converts; where `read` gives None, as Keras reads it. Keras
+    reads them through its backend's `convert_to_numpy` (layers, metrics) and `Variable.numpy`
+    (the optimizer), and has no hook for another reader."""
+    import keras
+    from keras.src import backend
+    from keras.src.backend.common.variables import Variable
+
+    original, original_numpy = backend.convert_to_numpy, Variable.numpy
+
+    def converted(value):
+        found = read(value.value if isinstance(value, keras.Variable) else value)
+        return original(value) if found is None else found
+
+    backend.convert_to_numpy, Variable.numpy = converted, converted
+    try:
+        yield
+    finally:
+        backend.convert_to_numpy, Variable.numpy = original, original_numpy
+
+
+# -- keras-hub -------------------------------------------------------------------------------
+
+
+def preset_backbone(preset: str) -> tuple[type, dict]:
+    """The backbone class a keras-hub preset's config names, and its constructor arguments,
+    read without its weights (keras-hub's loader does, and has no public form): a
+    Keras-format preset's own (`save_to_preset`), or those keras-hub converts a
+    transformers-format `config.json` to (a Hugging Face checkpoint), as its
+    `TransformersPresetLoader.load_backbone` calls the converter."""
+    import inspect
+
+    from keras_hub.src.utils.preset_utils import KerasPresetLoader, get_preset_loader
+
+    loader = get_preset_loader(preset)
+    cls = loader.check_backbone_class()
+    if isinstance(loader, KerasPresetLoader):
+        return cls, loader.config.get("config", {})
+    convert = loader.converter.convert_backbone_config
+    if len(inspect.signature(convert).parameters) == 1:
+        return cls, convert(loader.config)
+    return cls, convert(loader.config, cls)
