@@ -68,6 +68,17 @@ def run_config(overrides: list[str]) -> RunConfig:
     return to_run_config(compose_config(overrides))
 
 
+@pytest.fixture(autouse=True)
+def keras_dtype_policy_kept():
+    """A test that builds a run's model sets Keras' global dtype policy (a bfloat16 run's);
+    the tests after it build their own models in the default one again."""
+    yield
+    if "keras" in sys.modules:
+        import keras
+
+        keras.config.set_dtype_policy("float32")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance with its dashboard, whose state API lists the actors left alive."""

@@ -103,7 +103,12 @@ class CausalSelfAttention(keras.layers.Layer):
         self.attention = attention
 
     def get_config(self):
-        return {**super().get_config(), "heads": self.heads, "head_dim": self.head_dim}
+        return {
+            **super().get_config(),
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "attention": self.attention,
+        }
 
     def build(self, input_shape):
         self.qkv = keras.layers.EinsumDense(
