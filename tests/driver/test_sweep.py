@@ -92,6 +92,11 @@ def test_trials_run_as_separate_host_groups_two_at_once_and_a_bad_one_fails_alon
         # placement_timeout_s does not count (it bounds the wait for room that is there).
         "cluster.num_cpus=4",
         "cluster.placement_timeout_s=20",
+        # Long enough that the trials' processes, which Ray starts seconds apart on a loaded
+        # machine, overlap: with 4 steps the first had released its hosts before the third
+        # asked for them, and nothing queued (seen in CI).
+        "trainer.steps=150",
+        "trainer.log_interval=75",
     )
     message = "mesh.model=3 does not divide the cluster's 4 devices (2 hosts × 2 devices)"
     assert result.returncode == 1
@@ -128,7 +133,7 @@ def test_trials_run_as_separate_host_groups_two_at_once_and_a_bad_one_fails_alon
     assert "sweep: 4 trials, 1 failed; best first by eval_loss" in result.stdout
     printed = set(re.findall(r"summary: (\S+/summary\.json)$", result.stdout, re.MULTILINE))
     assert printed == {str(sweep_dir / str(n) / "summary.json") for n in (0, 1, 3)}
-    assert "step 4/4" in result.stdout  # each trial's progress reaches the terminal
+    assert "step 150/150" in result.stdout  # each trial's progress reaches the terminal
 
 
 @pytest.mark.ray
