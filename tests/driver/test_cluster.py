@@ -203,6 +203,16 @@ def multinode_cluster(tmp_path_factory):
         yield c
 
 
+@pytest.fixture(scope="module")
+def kept_instance(tmp_path_factory):
+    """`ray start --head` as a user keeps it: one node, 4 CPUs, token authentication on;
+    shared by the tests that join it (none leaves anything running in it)."""
+    with cluster_process(
+        tmp_path_factory.mktemp("kept"), hosts=0, cpus_per_host=0, head_cpus=4
+    ) as c:
+        yield c
+
+
 JOIN = """
 import sys, ray
 from training.config import compose_run_config
@@ -212,19 +222,18 @@ ray.shutdown()
 """
 
 
-def test_a_local_run_joins_a_running_one_node_instance_only_with_room(tmp_path):
+def test_a_local_run_joins_a_running_one_node_instance_only_with_room(kept_instance):
     """`ray start --head` as a user keeps it (one node, 4 CPUs, token authentication on): a
     local run of 2 hosts joins it and says so; one of 8 hosts, which it has no room for, does
     not, nor one told not to. The run's shell, as a user's, has the token at hand but does
     not set `RAY_AUTH_MODE`."""
-    with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
 
-        def joined(*overrides: str) -> str:
-            result = in_users_shell(single, [sys.executable, "-c", JOIN, *overrides], REPO)
-            return result.stdout.strip().splitlines()[-1]
+    def joined(*overrides: str) -> str:
+        result = in_users_shell(kept_instance, [sys.executable, "-c", JOIN, *overrides], REPO)
+        return result.stdout.strip().splitlines()[-1]
 
-        assert f"the running local instance at {single.address}" in joined()
-        assert joined("cluster.hosts=8") == "''"
+    assert f"the running local instance at {kept_instance.address}" in joined()
+    assert joined("cluster.hosts=8") == "''"
     told_not_to = run_config(["cluster.use_running=false"]).cluster
     assert join_running(told_not_to) == ""  # before looking for one
 
@@ -254,7 +263,9 @@ def get_model():
 HOST_STARTED = re.compile(r"host (\d) on .*?, pid (\d+)\)")
 
 
-def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(tmp_path):
+def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(
+    kept_instance, tmp_path
+):
     """On an instance the user keeps, a run leaves its hosts' processes started (standby
     hosts); the next takes them (they existed before it started), shows what they print (Ray
     streams it to the earlier run's job only), and they end with its driver, killed
@@ -273,30 +284,31 @@ def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(
         "cluster.platform=cpu",
         *FAST,
     ]
-    with cluster_process(tmp_path, hosts=0, cpus_per_host=0, head_cpus=4) as single:
-        first = in_users_shell(single, [*command, f"hydra.run.dir={tmp_path / 'first'}"], tmp_path)
-        assert "2 standby hosts left in the running instance" in first.stdout
-        standby = _standby_hosts(single, 2)
+    first = in_users_shell(
+        kept_instance, [*command, f"hydra.run.dir={tmp_path / 'first'}"], tmp_path
+    )
+    assert "2 standby hosts left in the running instance" in first.stdout
+    standby = _standby_hosts(kept_instance, 2)
 
-        log = tmp_path / "second" / "run.log"
-        second = subprocess.Popen(
-            [*command, "trainer.steps=100000", f"hydra.run.dir={tmp_path / 'second'}"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=tmp_path,
-            env=users_shell(single),
-        )
-        try:
-            text = _wait_for(log, lambda text: len(HOST_STARTED.findall(text)) == 2)
-            hosts = {int(pid) for _, pid in HOST_STARTED.findall(text)}
-            assert hosts <= standby, (hosts, standby, text)
-            printed = [f"(host {h}) building the model" for h in (0, 1)]
-            _wait_for(log, lambda text: all(line in text for line in printed))
-            second.kill()
-            gone = psutil.wait_procs([psutil.Process(pid) for pid in hosts], timeout=30)[0]
-            assert len(gone) == 2, "the claimed hosts outlived their driver"
-        finally:
-            second.kill()
+    log = tmp_path / "second" / "run.log"
+    second = subprocess.Popen(
+        [*command, "trainer.steps=100000", f"hydra.run.dir={tmp_path / 'second'}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+        env=users_shell(kept_instance),
+    )
+    try:
+        text = _wait_for(log, lambda text: len(HOST_STARTED.findall(text)) == 2)
+        hosts = {int(pid) for _, pid in HOST_STARTED.findall(text)}
+        assert hosts <= standby, (hosts, standby, text)
+        printed = [f"(host {h}) building the model" for h in (0, 1)]
+        _wait_for(log, lambda text: all(line in text for line in printed))
+        second.kill()
+        gone = psutil.wait_procs([psutil.Process(pid) for pid in hosts], timeout=30)[0]
+        assert len(gone) == 2, "the claimed hosts outlived their driver"
+    finally:
+        second.kill()
 
 
 @pytest.mark.ray
