@@ -138,15 +138,14 @@ def built(cfg):
     (the previous loop's model freed first)."""
     import gc
 
-    import jax
     import keras
 
-    from training.build import build_on_grid
-    from training.parallel.mesh import MeshShape, device_grid
+    from training.parallel.compiled import built_as_hosts_build
+    from training.parallel.mesh import MeshShape
 
     keras.backend.clear_session()
     gc.collect()
-    return build_on_grid(cfg, device_grid(jax.devices()[:1], MeshShape(1, 1)))
+    return built_as_hosts_build(cfg, MeshShape(1, 1))
 
 
 def batches(dataset, cfg, count: int) -> list:

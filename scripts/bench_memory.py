@@ -56,6 +56,8 @@ from training.data import build_dataset  # noqa: E402
 from training.models import rule_axes  # noqa: E402
 from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
 from training.parallel.compiled import (  # noqa: E402
+    as_hosts_get_it,
+    built_as_hosts_build,
     compiled_train_step,
     held_bytes,
     measure_step,
@@ -67,7 +69,7 @@ from training.parallel.costs import (  # noqa: E402
     split_ways,
 )
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
-from training.parallel.mesh import MeshShape, device_grid, settled  # noqa: E402
+from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
 
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
@@ -230,11 +232,10 @@ def live_bytes(arrays=None) -> int:
     return held_bytes(jax.live_arrays() if arrays is None else arrays)
 
 
-def as_hosts_get_it(model: str, strategy: str, *extra: str):
+def as_hosts_get_it_for(model: str, strategy: str, *extra: str):
     """The config with the layout rules the driver settles, as the hosts get it, and the mesh."""
     cfg, mesh = config(model, strategy, *extra)
-    plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, plan_model)), mesh
+    return as_hosts_get_it(cfg, mesh), mesh
 
 
 def built_counting(cfg, mesh) -> tuple:
@@ -266,7 +267,7 @@ def build_and_restore_figures() -> None:
     from training.host.checkpoints import HostCheckpoints
 
     with tempfile.TemporaryDirectory() as directory:
-        cfg, mesh = as_hosts_get_it("wide_mlp", "fsdp", f"checkpoint.dir={directory}")
+        cfg, mesh = as_hosts_get_it_for("wide_mlp", "fsdp", f"checkpoint.dir={directory}")
         model, building = built_counting(cfg, mesh)
         variables = [*model.variables, *model.optimizer.variables]
         share = live_bytes([v.value for v in variables])
@@ -322,7 +323,7 @@ def preset_load_figures() -> None:
             directory
         )
         del backbone
-        cfg, mesh = as_hosts_get_it("llama", "fsdp", f"model.preset={directory}")
+        cfg, mesh = as_hosts_get_it_for("llama", "fsdp", f"model.preset={directory}")
         model, loading = built_counting(cfg, mesh)
         weights = [v.value for v in model.variables]
         share, largest = live_bytes(weights), max(w.nbytes for w in weights)
@@ -367,7 +368,7 @@ def plan_against_accelerator(workloads: list[str]) -> None:
                     cfg, abstract_model(cfg, spec), "data_parallel", MeshShape(1, 1), batch
                 ).total_bytes
                 keras.backend.clear_session()
-                model, dataset = build_on_grid(cfg, device_grid(jax.devices()[:1], MeshShape(1, 1)))
+                model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))
                 x = dataset.batch("train", 0, batch, slice(0, batch))
                 runner = CompiledStep(model, cfg.trainer.accumulate, 0)
                 try:

@@ -236,17 +236,10 @@ def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
 def compiled_host_step(cfg: RunConfig, mesh: MeshShape):
     """What the step the hosts run (`training.host.loop.CompiledStep`) holds per device,
     compiled on this process's devices for the configured layout."""
-    import jax
-
-    from training.build import build_on_grid
-    from training.data import build_dataset
     from training.host.loop import CompiledStep, batch_shardings, place
-    from training.parallel.mesh import device_grid, settled
+    from training.parallel.compiled import built_as_hosts_build
 
-    if cfg.strategy.name != "data_parallel":  # as the driver settles it for the hosts
-        spec = build_dataset(cfg.data).spec
-        cfg = settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
-    model, dataset = build_on_grid(cfg, device_grid(jax.devices()[: mesh.devices], mesh))
+    model, dataset = built_as_hosts_build(cfg, mesh)
     rows = cfg.trainer.micro_batch
     batch = dataset.batch("train", 0, rows, slice(0, rows))
     step = CompiledStep(model, cfg.trainer.accumulate, 0)

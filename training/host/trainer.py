@@ -108,8 +108,9 @@ def train(
         2 * cfg.fault.step_timeout_s,
         EarlyStopping(cfg.trainer.early_stopping) if cfg.trainer.early_stopping.enabled else None,
     )
+    profile = StepProfile(cfg.trainer.profile_steps, cfg.trainer.profile_dir, process)
     final_loss, reached = _train_loop(
-        cfg.trainer, model, feed, examples_per_step, send, start, guard
+        cfg.trainer, model, feed, examples_per_step, send, start, guard, profile
     )
     if checkpoints:
         checkpoints.close()
@@ -208,6 +209,7 @@ def _train_loop(
     send,
     start: int,
     guard: StepGuard,
+    profile: StepProfile,
 ) -> tuple[float | None, int]:
     """Train from step `start`; send each logged step. Return the last logged loss (None
     if no step was left) and the step reached. The first step is waited for and reported
@@ -217,7 +219,6 @@ def _train_loop(
     guard.phase.set(COMPILING)
     runner = CompiledStep(model, trainer.accumulate, start)
     batches = feed.prefetch(start)
-    profile = StepProfile(trainer.profile_steps, trainer.profile_dir, _process_index())
     try:
         with cache_outcome() as compiled, out_of_memory_explained("by the compiler"):
             compiled["compile_seconds"] = runner.compile(batches.peek())
@@ -324,12 +325,6 @@ def _steps(
         if stop:
             break
     return loss, done
-
-
-def _process_index() -> int:
-    import jax
-
-    return jax.process_index()
 
 
 def mesh_coordinates(grid: np.ndarray, devices: list) -> list[list[int]]:

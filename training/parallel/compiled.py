@@ -49,27 +49,40 @@ class Measured:
         return collectives.sent_bytes(self.collectives)
 
 
-def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
-    """Build the model on this process's devices, take one training step (which creates the
-    optimizer's variables), then compile the step as Keras does and read its collectives."""
-    import jax
-
+def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
+    """The config with the layout rules the driver settles for `mesh`, as the hosts get it."""
+    if cfg.strategy.name == "data_parallel":
+        return cfg
     # Imported here: keras, which the benchmarks' constants above need not import.
-    from training.build import build_on_grid
     from training.data import build_dataset
     from training.parallel.costs import abstract_model, layout_rules
 
-    if cfg.strategy.name != "data_parallel":  # as the driver settles it for the hosts
-        spec = build_dataset(cfg.data).spec
-        cfg = settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
-    grid = device_grid(jax.devices()[: mesh.devices], mesh)
-    model, dataset = build_on_grid(cfg, grid)
+    spec = build_dataset(cfg.data).spec
+    return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
+
+
+def built_as_hosts_build(cfg: RunConfig, mesh: MeshShape):
+    """The model and dataset as the hosts build them for `mesh`, on this process's first
+    devices."""
+    import jax
+
+    from training.build import build_on_grid
+
+    return build_on_grid(
+        as_hosts_get_it(cfg, mesh), device_grid(jax.devices()[: mesh.devices], mesh)
+    )
+
+
+def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
+    """Build the model on this process's devices, take one training step (which creates the
+    optimizer's variables), then compile the step as Keras does and read its collectives."""
+    model, dataset = built_as_hosts_build(cfg, mesh)
     batch = cfg.trainer.micro_batch
     x, y = dataset.batch("train", 0, batch, slice(0, batch))
     step = compiled_train_step(model, x, y)
     analysis = step.memory_analysis()
     return Measured(
-        collectives.from_hlo(step.as_text(), grid.size),
+        collectives.from_hlo(step.as_text(), mesh.devices),
         _shard_bytes(model.variables),
         _shard_bytes(model.optimizer.variables),
         CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes),
