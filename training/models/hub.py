@@ -115,7 +115,7 @@ def _named(backbone: str, preset: str) -> str:
 def _task_from_preset(preset: str):
     """`CausalLM.from_preset`, its weights read only on the hosts (see `building_abstractly`),
     its variables in the run's dtype policy."""
-    from training.models import building_abstractly
+    from training.models.abstract import building_abstractly
 
     keras_hub = _keras_hub()
     try:

@@ -11,8 +11,9 @@ from training import keras_compat
 from training.config import ConfigError, ModelConfig
 from training.config.common import names_object
 from training.contracts import DataSpec
-from training.models import describe, symbolic_batch, symbolic_inputs, without_weights
+from training.models.abstract import without_weights
 from training.models.locate import locate
+from training.models.symbolic import describe, symbolic_batch, symbolic_inputs
 
 
 def build_metrics(key: str, names: list[str]) -> list:
