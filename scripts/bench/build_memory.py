@@ -21,14 +21,14 @@ def live_bytes(arrays=None) -> int:
     """Bytes of this process's buffers that `arrays` hold (every live array by default)."""
     import jax
 
-    from training.parallel.compiled import held_bytes
+    from training.planning.compiled import held_bytes
 
     return held_bytes(jax.live_arrays() if arrays is None else arrays)
 
 
 def as_hosts_get_it_for(model: str, strategy: str, *extra: str):
     """The config with the layout rules the driver settles, as the hosts get it, and the mesh."""
-    from training.parallel.compiled import as_hosts_get_it
+    from training.planning.compiled import as_hosts_get_it
 
     cfg, mesh = memory_config(model, strategy, *extra)
     return as_hosts_get_it(cfg, mesh), mesh

@@ -51,9 +51,9 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
     from training.config import compose_run_config
     from training.data import build_dataset
     from training.models import transformer
-    from training.parallel.collectives import Collective, sent_bytes
-    from training.parallel.costs import abstract_model, strategy_cost
-    from training.parallel.megatron import megatron_minimum
+    from training.planning.collectives import Collective, sent_bytes
+    from training.planning.costs import abstract_model, strategy_cost
+    from training.planning.megatron import megatron_minimum
 
     cfg = compose_run_config([f"strategy={strategy}", f"strategy.layout={layout}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)

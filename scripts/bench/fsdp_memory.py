@@ -26,9 +26,9 @@ from scripts.bench.harness import (
 def fsdp_figures(model: str, strategy: str) -> dict:
     from training.data import build_dataset
     from training.models import rule_axes
-    from training.parallel.collectives import Collective, sent_bytes
-    from training.parallel.costs import abstract_model, layout_rules, split_ways
     from training.parallel.dtypes import array_bytes, readable_bytes
+    from training.planning.collectives import Collective, sent_bytes
+    from training.planning.costs import abstract_model, layout_rules, split_ways
 
     cfg, mesh = memory_config(model, strategy)
     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)

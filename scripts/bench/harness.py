@@ -397,7 +397,7 @@ def measured(cfg, mesh):
     """What the compiled step of `cfg` on `mesh` holds and sends, the distribution reset."""
     import keras
 
-    from training.parallel.compiled import measure_step
+    from training.planning.compiled import measure_step
 
     try:
         return measure_step(cfg, mesh)

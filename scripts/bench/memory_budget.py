@@ -21,8 +21,8 @@ BUDGET_GB = 0.2
 def main() -> None:
     use_eight_cpu_devices()
     from training.data import build_dataset
-    from training.parallel.costs import abstract_model, memory_cost
     from training.parallel.dtypes import array_bytes, readable_bytes
+    from training.planning.costs import abstract_model, memory_cost
 
     budget = f"plan.device_memory_gb={BUDGET_GB}"
     cfg, mesh = memory_config("wide_mlp", "data_parallel", budget)

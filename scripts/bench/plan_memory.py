@@ -38,8 +38,8 @@ TARGET = "0.90–1.10"
 def plan_against_compiled() -> list[dict]:
     from training.config import ConfigError
     from training.data import build_dataset
-    from training.parallel.costs import abstract_model, memory_cost
     from training.parallel.dtypes import readable_bytes
+    from training.planning.costs import abstract_model, memory_cost
 
     print(
         f"plan ÷ compiled, per device (state: weights + optimizer; peak: + temporaries; "
@@ -90,10 +90,10 @@ def plan_against_accelerator(workloads: list[str]) -> list[dict]:
     from training.events import OutOfDeviceMemory
     from training.host.loop import CompiledStep, batch_shardings, place
     from training.host.memory import memory_limit, out_of_memory_explained
-    from training.parallel.compiled import built_as_hosts_build
-    from training.parallel.costs import abstract_model, memory_cost
     from training.parallel.dtypes import readable_bytes
     from training.parallel.mesh import MeshShape
+    from training.planning.compiled import built_as_hosts_build
+    from training.planning.costs import abstract_model, memory_cost
 
     limit = memory_limit()
     print("plan ÷ compiled on this machine's accelerator, one device")

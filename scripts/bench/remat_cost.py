@@ -26,8 +26,8 @@ def temporaries_and_step(remat: str) -> tuple[int, float]:
 
     from training.build import build_on_grid
     from training.config import compose_run_config
-    from training.parallel.compiled import compiled_train_step
     from training.parallel.mesh import MeshShape, device_grid
+    from training.planning.compiled import compiled_train_step
 
     overrides = [*ONE_HOST, *TEXT_TRANSFORMER, "model.seq_len=512", "strategy=data_parallel"]
     cfg = compose_run_config([*overrides, f"trainer.remat={remat}"])

@@ -132,7 +132,7 @@ class CompiledStep:
 
     def compiled_memory(self):
         """What XLA's memory_analysis() says the compiled micro-step holds per device."""
-        from training.parallel.compiled import CompiledMemory
+        from training.planning.compiled import CompiledMemory
 
         analysis = self._compiled.memory_analysis()
         return CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes)

@@ -7,20 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.config import RunConfig
-from training.parallel import collectives
 from training.parallel.mesh import MeshShape, device_grid, settled
-
-# The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
-# (8 heads, so that model parallelism can split it 8 ways).
-BENCH_TRANSFORMER = [
-    "model=transformer",
-    "data=text",
-    "model.kwargs.layers=2",
-    "model.kwargs.d_model=64",
-    "model.kwargs.heads=8",
-    "model.kwargs.d_ff=256",
-    "model.seq_len=32",
-]
+from training.planning import collectives
 
 
 @dataclass(frozen=True)
@@ -53,9 +41,9 @@ def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
     """The config with the layout rules the driver settles for `mesh`, as the hosts get it."""
     if cfg.strategy.name == "data_parallel":
         return cfg
-    # Imported here: keras, which the benchmarks' constants above need not import.
+    # Imported here: keras, which CompiledMemory's reader (host/loop.py) need not import.
     from training.data import build_dataset
-    from training.parallel.costs import abstract_model, layout_rules
+    from training.planning.costs import abstract_model, layout_rules
 
     spec = build_dataset(cfg.data).spec
     return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
