@@ -95,9 +95,9 @@ def build_and_restore_figures() -> dict:
     bound = share + largest
     print(
         f"  wide_mlp fsdp 8×1: share of the state {readable_bytes(share)}, largest variable "
-        f"{readable_bytes(largest)}; held at most {readable_bytes(building)} building "
-        f"(of share + largest: {ratio(building / bound, '<= 1.00')}), "
-        f"{readable_bytes(max(held))} restoring ({ratio(max(held) / bound, '<= 1.00')})"
+        f"{readable_bytes(largest)}; held at most {readable_bytes(building)} building, of "
+        f"share + largest {ratio(building / bound, '<= 1.00')}; {readable_bytes(max(held))} "
+        f"restoring, {ratio(max(held) / bound, '<= 1.00')}"
     )
     return {"bound": bound, "building": building, "restoring": max(held)}
 
@@ -135,8 +135,8 @@ def preset_load_figures() -> dict:
     print(
         f"  llama preset fsdp 8×1: share of the weights {readable_bytes(share)} and optimizer "
         f"state {readable_bytes(slots)}, largest weight {readable_bytes(largest)}; held at "
-        f"most {readable_bytes(loading)} building and loading (of share + largest: "
-        f"{ratio(loading / bound, '<= 1.00')})"
+        f"most {readable_bytes(loading)} building and loading, of share + largest "
+        f"{ratio(loading / bound, '<= 1.00')}"
     )
     return {"bound": bound, "loading": loading}
 

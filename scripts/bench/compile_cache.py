@@ -8,19 +8,16 @@ the pair). Target <= 0.3.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
-from scripts.bench.harness import SYSTEM, ratio, run_system, write_results
+from scripts.bench.harness import ratio, run_system, system_overrides, system_parser, write_results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
+    args = system_parser(__doc__).parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        overrides = [*SYSTEM, f"trainer.steps={args.steps}", f"trainer.compile_cache_dir={cache}"]
+        overrides = system_overrides(args.steps, cache)
         first, second = (run_system(overrides, time.time()) for _ in range(2))
     runs = [
         f"{name} run {run['compile_and_first_step']:.2f} s (compile {run['compile_seconds']:.2f}"

@@ -9,29 +9,26 @@ running a hand-written `jax.jit` loop, timed from theirs. Target <= 1.3.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 from scripts.bench.harness import (
-    SYSTEM,
     print_breakdown,
     print_system_breakdown,
     ratio,
     run_plain,
     run_system_afresh,
+    system_overrides,
+    system_parser,
     system_time_to_first_step,
     write_results,
 )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
-    steps = f"trainer.steps={args.steps}"
+    args = system_parser(__doc__).parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        system = run_system_afresh([*SYSTEM, steps, f"trainer.compile_cache_dir={cache}"])
-    plain = run_plain([*SYSTEM, steps], args.steps)
+        system = run_system_afresh(system_overrides(args.steps, cache))
+    plain = run_plain(system_overrides(args.steps), args.steps)
     seconds = system_time_to_first_step(system)
     print(
         f"time to first step: system {seconds:.1f} s, 2 plain processes "

@@ -5,6 +5,7 @@ the results are reported. Imports nothing that starts JAX: a benchmark chooses i
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ.setdefault("KERAS_BACKEND", "jax")  # as `import training` sets it; keras may come first
 
 # ---- models and configs ----------------------------------------------------------------
 
@@ -41,6 +43,7 @@ SYSTEM = [
     "trainer.eval_batches=0",
     "trainer.log_interval=10",
 ]
+SYSTEM_STEPS = 60
 READ_EVERY = 10  # the hand-written loops read the loss (and so wait) every this many steps
 # Data-parallel speedups commonly quoted for 2, 4 and 8 GPUs.
 REFERENCE_SPEEDUP = {1: 1.0, 2: 2.0, 4: 3.8, 8: 7.3}
@@ -190,6 +193,19 @@ def write_results(name: str, results) -> None:
 
 
 # ---- the system: `training.run`'s own path ---------------------------------------------
+
+
+def system_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark of the system against plain processes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=SYSTEM_STEPS, help="steps of each run")
+    return parser
+
+
+def system_overrides(steps: int, compile_cache: str = "") -> list[str]:
+    """The system's run of `steps` (its compilation cache in `compile_cache`, where given)."""
+    cache = [f"trainer.compile_cache_dir={compile_cache}"] if compile_cache else []
+    return [*SYSTEM, f"trainer.steps={steps}", *cache]
 
 
 def run_system(overrides: list[str], launched: float) -> dict:

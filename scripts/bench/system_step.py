@@ -14,24 +14,25 @@ compare the ratios of one run, not absolute times.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
-from scripts.bench.harness import SYSTEM, ratio, run_plain, run_system, write_results
+from scripts.bench.harness import (
+    ratio,
+    run_plain,
+    run_system,
+    system_overrides,
+    system_parser,
+    write_results,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
-    steps = f"trainer.steps={args.steps}"
+    args = system_parser(__doc__).parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        runs = [
-            run_system([*SYSTEM, steps, f"trainer.compile_cache_dir={cache}"], time.time())
-            for _ in range(2)
-        ]
-    plain = run_plain([*SYSTEM, steps], args.steps)
+        overrides = system_overrides(args.steps, cache)
+        runs = [run_system(overrides, time.time()) for _ in range(2)]
+    plain = run_plain(system_overrides(args.steps), args.steps)
     system = [run["step_seconds"] for run in runs]
     print(
         f"step time, transformer, hybrid 2 x 4 (median after warm-up): system "

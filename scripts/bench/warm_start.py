@@ -10,16 +10,16 @@ standby hosts the run before left (`cluster.standby_hosts`). Target <= 1.15.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 from scripts.bench.harness import (
-    SYSTEM,
     print_system_breakdown,
     ratio,
     run_plain,
     run_system_afresh,
     running_ray_instance,
+    system_overrides,
+    system_parser,
     system_time_to_first_step,
     write_results,
 )
@@ -34,11 +34,9 @@ def warm_pairs(steps: int, runs: int) -> list[tuple[dict, dict]]:
     with running_ray_instance():
         for _ in range(runs + 1):
             with tempfile.TemporaryDirectory() as cache:
-                warm = run_system_afresh(
-                    [*SYSTEM, f"trainer.steps={steps}", f"trainer.compile_cache_dir={cache}"]
-                )
+                warm = run_system_afresh(system_overrides(steps, cache))
             wait_for_standby_hosts()
-            pairs.append((warm, run_plain([*SYSTEM, f"trainer.steps={steps}"], steps)))
+            pairs.append((warm, run_plain(system_overrides(steps), steps)))
     return pairs
 
 
@@ -61,8 +59,7 @@ def warm_ratio(pair: tuple[dict, dict]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser = system_parser(__doc__)
     parser.add_argument("--runs", type=int, default=3, help="runs taking the standby hosts")
     args = parser.parse_args()
     first, *pairs = warm_pairs(args.steps, args.runs)
