@@ -75,7 +75,7 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
     whole = strategy_cost(cfg, model, "data_parallel", MeshShape(1, 1), 1)
     ideal = (whole.parameter_bytes + whole.optimizer_bytes) / mesh.model
     print(
-        f"  parameter + optimizer bytes per device: live {live:,} B, ideal {ideal:,.0f} B "
+        f"  parameter + optimizer bytes per device: live {live:,} B, ideal {ideal:,.0f} B: "
         f"{ratio(live / ideal, '<= 1.10', 3)}; plan {predicted:,} B "
         f"(live / plan {live / predicted:.3f})"
     )
