@@ -2,8 +2,8 @@
 # GPU check, on a machine with an NVIDIA GPU: installs the `cuda` extra into .venv, runs
 # `python -m training.run` on the local GPU (detected: 1 host × 1 GPU, GPU 0) with a
 # transformer big enough that a bfloat16 step takes >= 5 ms, prints its examples/s and model
-# FLOPs utilisation, then benchmark 1 (scripts/bench_overhead.py) on the GPU, then a LoRA
-# fine-tune of a Gemma preset (~150M parameters, random weights, made offline by
+# FLOPs utilisation, then the host-overhead benchmark (scripts/bench/host_overhead.py) on the
+# GPU, then a LoRA fine-tune of a Gemma preset (~150M parameters, random weights, made offline by
 # scripts/make_preset.py) in bfloat16: tokens/s and the GPU's peak memory; then the transformer
 # under data parallel and fsdp on every GPU of the machine: examples/s and memory per GPU.
 # Every figure is printed; nothing is compared against a threshold except the 5 ms step check.
@@ -72,9 +72,9 @@ if step_ms < 5:
     print(f"warning: a step took {step_ms:.2f} ms, under 5 ms: make the model bigger")
 PY
 
-echo "== benchmark 1 (scripts/bench_overhead.py) on GPU 0"
-python scripts/bench_overhead.py --gpu --loop-overrides trainer.precision=bfloat16 2>&1 \
-    | tee "$OUT/bench_overhead.log"
+echo "== the host-overhead benchmark (scripts/bench/host_overhead.py) on GPU 0"
+python -m scripts.bench.host_overhead --gpu --overrides trainer.precision=bfloat16 2>&1 \
+    | tee "$OUT/host_overhead.log"
 echo "== LoRA fine-tune of a Gemma preset in bfloat16 on GPU 0"
 python scripts/make_preset.py "$OUT/ft" --hidden 1024 --layers 8 --vocab 8000
 FT=(

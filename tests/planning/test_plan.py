@@ -215,7 +215,7 @@ def test_bad_plan_hardware_is_an_error(override, message):
 # under hybrid, what XLA materialises around the model axis' collectives) and the tiny Llama
 # (its decoder blocks followed through), 16 examples; with remat, the backward pass's peak
 # where it recomputes the last attention (each model and strategy under none, full and
-# dots: scripts/bench_memory.py).
+# dots: scripts/bench/plan_memory.py).
 LLAMA = ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
 MEMORY = {
     "mlp-data_parallel": ("data_parallel", MeshShape(8, 1), ["model=mlp"]),

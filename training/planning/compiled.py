@@ -10,18 +10,6 @@ from training.config import RunConfig
 from training.parallel.mesh import MeshShape, device_grid, settled
 from training.planning import collectives
 
-# The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
-# (8 heads, so that model parallelism can split it 8 ways).
-BENCH_TRANSFORMER = [
-    "model=transformer",
-    "data=text",
-    "model.kwargs.layers=2",
-    "model.kwargs.d_model=64",
-    "model.kwargs.heads=8",
-    "model.kwargs.d_ff=256",
-    "model.seq_len=32",
-]
-
 
 @dataclass(frozen=True)
 class CompiledMemory:
@@ -53,7 +41,7 @@ def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
     """The config with the layout rules the driver settles for `mesh`, as the hosts get it."""
     if cfg.strategy.name == "data_parallel":
         return cfg
-    # Imported here: keras, which the benchmarks' constants above need not import.
+    # Imported here: keras, which CompiledMemory's reader (host/loop.py) need not import.
     from training.data import build_dataset
     from training.planning.costs import abstract_model, layout_rules
 

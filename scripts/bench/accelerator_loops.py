@@ -4,8 +4,9 @@ donated, the batches already on the device) and Keras' own `fit`, on the same mo
 optimizer and precision, in one process. Prints ms/step, tokens/s, model TFLOP/s and MFU
 (training/models/flops.py, against the device's peak) per workload, and the ratios.
 
-    python scripts/bench_accelerator.py                       # every workload
-    python scripts/bench_accelerator.py --workloads transformer-86M --first-step
+    python -m scripts.bench.accelerator_loops                 # every workload
+    python -m scripts.bench.accelerator_loops --workloads transformer-86M --first-step
+    python -m scripts.bench.accelerator_loops --workloads transformer-tiny --steps 12  # CPU
 
 Workloads: the built-in transformer at 86 M and 302 M parameters (seq 1024, batch 16,
 mixed bfloat16, AdamW), and a keras-hub Llama of TinyLlama-1.1B's shape (random weights)
@@ -13,8 +14,8 @@ fine-tuned with LoRA of rank 8 (seq 512, batch 4). The data: random token ids wr
 temporary file (`data=tokens`), read by all three loops. `--first-step` also times, from
 its launch, a fresh `python -m training.run cluster=inprocess` of the first workload to the
 end of its first step, against a fresh process running the hand-written loop
-(`--jit-first-step`); neither uses a compilation cache. With OUT set the results are also
-written to $OUT/bench_accelerator.json, after each workload.
+(`jit_process`); neither uses a compilation cache. With OUT set the results are also
+written to $OUT/accelerator_loops.json, after each workload.
 
 Targets (issue 35): host loop <= 1.02 x the jit loop and <= 1.00 x Keras fit; MFU >= 0.45
 (86 M), >= 0.50 (302 M), >= 0.55 (LoRA, 4NT + attention); first step <= 1.05 x.
@@ -22,96 +23,29 @@ Targets (issue 35): host loop <= 1.02 x the jit loop and <= 1.00 x Keras fit; MF
 
 from __future__ import annotations
 
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
-PROCESS_STARTED = time.time()
+from scripts.bench.harness import (
+    READ_EVERY,
+    WORKLOADS,
+    ratio,
+    result_of,
+    start,
+    workload_overrides,
+    write_results,
+    write_tokens,
+)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
-COMMON = [
-    "cluster=inprocess",
-    "trainer.precision=bfloat16",
-    "optimizer=adamw",
-    "optimizer.learning_rate=1e-4",
-    "trainer.eval_batches=0",
-    "trainer.compile_cache_dir=off",
-    "export.enabled=false",
-    "data=tokens",
-]
-TRANSFORMER = ["model=transformer", "model.seq_len=1024", "trainer.global_batch=16"]
-WORKLOADS = {
-    "transformer-86M": [
-        *TRANSFORMER,
-        "model.kwargs.layers=12",
-        "model.kwargs.d_model=768",
-        "model.kwargs.heads=12",
-        "model.kwargs.d_ff=3072",
-    ],
-    "transformer-302M": [
-        *TRANSFORMER,
-        "model.kwargs.layers=24",
-        "model.kwargs.d_model=1024",
-        "model.kwargs.heads=16",
-        "model.kwargs.d_ff=4096",
-    ],
-    # A check of this script on CPU, in seconds: python scripts/bench_accelerator.py
-    # --workloads transformer-tiny
-    "transformer-tiny": [
-        "model=transformer",
-        "model.seq_len=64",
-        "trainer.global_batch=8",
-        "model.kwargs.layers=2",
-    ],
-    "llama-lora": [
-        "model=hub",
-        "model.backbone=LlamaBackbone",
-        "model.seq_len=512",
-        "trainer.global_batch=4",
-        "model.lora_rank=8",
-        # TinyLlama-1.1B's shape
-        "model.kwargs.vocabulary_size=32000",
-        "model.kwargs.num_layers=22",
-        "model.kwargs.num_query_heads=32",
-        "model.kwargs.num_key_value_heads=4",
-        "model.kwargs.hidden_dim=2048",
-        "model.kwargs.intermediate_dim=5632",
-    ],
-}
-VOCABULARY = {"llama-lora": 32000}  # the others: 256, bytes
-TARGETS = {"transformer-86M": 0.45, "transformer-302M": 0.50, "llama-lora": 0.55}
-LOG_EVERY = 10
-
-
-def overrides(workload: str, tokens: Path, steps: int) -> list[str]:
-    return [
-        *COMMON,
-        *WORKLOADS[workload],
-        f"data.path={tokens}",
-        f"data.vocab_size={VOCABULARY.get(workload, 256)}",
-        f"trainer.steps={steps}",
-        f"trainer.log_interval={LOG_EVERY}",
-    ]
-
-
-def write_tokens(directory: Path, vocabulary: int) -> Path:
-    """Random token ids, enough for every loop's steps without wrapping much."""
-    import numpy as np
-
-    path = directory / f"tokens-{vocabulary}.bin"
-    if not path.exists():
-        rng = np.random.default_rng(0)
-        rng.integers(0, vocabulary, size=4_000_000, dtype=np.uint16).tofile(path)
-    return path
+TARGETS = {"transformer-86M": 0.45, "transformer-302M": 0.50, "llama-lora": 0.55}  # MFU
+AGAINST = {"jit loop": "<= 1.02", "keras fit": "<= 1.00"}  # the host loop's step over theirs
 
 
 # ---- the three loops -------------------------------------------------------------------
@@ -156,7 +90,7 @@ def batches(dataset, cfg, count: int) -> list:
 def jit_loop(cfg, steps: int) -> dict:
     """A hand-written jit step: stateless_call, the loss, its gradients, stateless_apply;
     the state donated, the batches placed on the device beforehand, the loss read every
-    LOG_EVERY steps."""
+    READ_EVERY steps."""
     import jax
 
     model, dataset = built(cfg)
@@ -179,18 +113,18 @@ def jit_loop(cfg, steps: int) -> dict:
         [v.value for v in model.non_trainable_variables],
         [v.value for v in optimizer.variables],
     )
-    on_device = [jax.device_put(b) for b in batches(dataset, cfg, LOG_EVERY)]
+    on_device = [jax.device_put(b) for b in batches(dataset, cfg, READ_EVERY)]
     compiled = jax.jit(step, donate_argnums=0).lower(state, *on_device[0]).compile()
     loss, state = compiled(state, *on_device[0])
     float(loss)
     first_done = time.time()
     intervals, started = [], time.perf_counter()
     for i in range(1, steps):
-        loss, state = compiled(state, *on_device[i % LOG_EVERY])
-        if i % LOG_EVERY == 0:
+        loss, state = compiled(state, *on_device[i % READ_EVERY])
+        if i % READ_EVERY == 0:
             float(loss)
             now = time.perf_counter()
-            intervals.append((now - started) / LOG_EVERY)
+            intervals.append((now - started) / READ_EVERY)
             started = now
     return {
         "step_seconds": statistics.median(intervals[1:] or intervals) if intervals else None,
@@ -250,7 +184,7 @@ def run_workload(workload: str, tokens: Path, steps: int) -> dict:
     from training.data import build_dataset
     from training.models.flops import model_flops_per_example
 
-    cfg = compose_run_config(overrides(workload, tokens, steps))
+    cfg = compose_run_config(workload_overrides(workload, tokens, steps))
     device = jax.devices()[0]
     result = {"workload": workload, "device": device.device_kind, "loops": {}}
     for name, loop in (("host loop", host_loop), ("jit loop", jit_loop), ("keras fit", keras_fit)):
@@ -300,10 +234,10 @@ def report(result: dict) -> None:
             f"{f['tflops']:6.1f} TFLOP/s  MFU {mfu}{held}"
         )
     host = loops.get("host loop", {})
-    for other in ("jit loop", "keras fit"):
+    for other, target in AGAINST.items():
         if "step_seconds" in host and "step_seconds" in loops.get(other, {}):
-            ratio = host["step_seconds"] / loops[other]["step_seconds"]
-            print(f"  host loop / {other}: {ratio:.3f}")
+            found = host["step_seconds"] / loops[other]["step_seconds"]
+            print(f"  host loop / {other}: {ratio(found, target, 3)}")
     if result["workload"] in TARGETS:
         print(f"  target MFU >= {TARGETS[result['workload']]}")
 
@@ -314,19 +248,13 @@ def report(result: dict) -> None:
 def first_step(workload: str, tokens: Path, directory: Path) -> dict:
     """From launch to the end of the first step: `training.run cluster=inprocess` against
     a process running the hand-written loop, each fresh, neither with a compilation cache."""
-    command = [sys.executable, "-m", "training.run", *overrides(workload, tokens, 3)]
+    command = [sys.executable, "-m", "training.run", *workload_overrides(workload, tokens, 3)]
     launched = time.time()
     subprocess.run(command, cwd=directory, check=True, capture_output=True)
     summary = json.loads(next(directory.glob("outputs/*/*/summary.json")).read_text())
     system = summary["started_at"] + summary["phase_seconds"]["first_step"] - launched
     launched = time.time()
-    done = subprocess.run(
-        [sys.executable, __file__, "--jit-first-step", workload, "--tokens", str(tokens)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    plain = float(done.stdout.strip().splitlines()[-1]) - launched
+    plain = result_of(start("jit_process", [workload, str(tokens)])) - launched
     return {"system_seconds": system, "jit_seconds": plain, "ratio": system / plain}
 
 
@@ -335,37 +263,27 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--first-step", action="store_true")
-    parser.add_argument("--jit-first-step", help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.jit_first_step:  # the child of `first_step`: its first step's end, as a time
-        from training.config import compose_run_config
-
-        cfg = compose_run_config(overrides(args.jit_first_step, Path(args.tokens), 3))
-        print(jit_loop(cfg, 1)["first_step_done"])
-        return
-    out = os.environ.get("OUT")
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         chosen = args.workloads.split(",")
         if args.first_step:
-            tokens = write_tokens(scratch, VOCABULARY.get(chosen[0], 256))
+            tokens = write_tokens(scratch, chosen[0])
             timed = first_step(chosen[0], tokens, scratch)
             print(
                 f"time to first step, {chosen[0]}: training.run cluster=inprocess "
                 f"{timed['system_seconds']:.1f} s, hand-written jit loop "
-                f"{timed['jit_seconds']:.1f} s: ratio {timed['ratio']:.3f} (target <= 1.05)",
+                f"{timed['jit_seconds']:.1f} s: {ratio(timed['ratio'], '<= 1.05', 3)}",
                 flush=True,
             )
             results.append({"first_step": chosen[0], **timed})
         for workload in chosen:
-            tokens = write_tokens(scratch, VOCABULARY.get(workload, 256))
+            tokens = write_tokens(scratch, workload)
             result = run_workload(workload, tokens, args.steps)
             report(result)
             results.append(result)
-            if out:
-                Path(out, "bench_accelerator.json").write_text(json.dumps(results, indent=1))
+            write_results("accelerator_loops", results)
             sys.stdout.flush()
 
 

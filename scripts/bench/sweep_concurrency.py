@@ -1,11 +1,13 @@
 """Wall time of one 4-trial sweep run sequentially (sweep.max_concurrent=1) and two at a time.
 
-    python scripts/sweep_wall_time.py [--steps 20] [--cpus 4]
+    python -m scripts.bench.sweep_concurrency [--steps 20] [--cpus 4]
 
 Both sweeps get a local Ray instance with room for two 2-host trials (--cpus 4); each run of
 the CLI includes starting Ray. Prints each sweep's wall time, its trials' own wall times,
-and the ratio sequential / concurrent.
+and the ratio sequential / concurrent, against 2.00: two trials at a time.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -14,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from scripts.bench.harness import ratio, write_results
 
 GRID = ["optimizer=adam,sgd", "optimizer.learning_rate=0.001,0.01"]
 
@@ -57,7 +61,8 @@ def main() -> None:
             by_trial = sorted(rows, key=lambda r: r["trial"])
             trials = " ".join(f"{r['wall_seconds']:.0f}" for r in by_trial)
             print(f"max_concurrent={max_concurrent}: sweep {wall:.1f}s (trials' own: {trials} s)")
-    print(f"sequential / concurrent wall time: {walls[1] / walls[2]:.2f}")
+    print(f"sequential / concurrent wall time: {ratio(walls[1] / walls[2], '>= 2.00')}")
+    write_results("sweep_concurrency", walls)
 
 
 if __name__ == "__main__":

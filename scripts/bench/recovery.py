@@ -19,7 +19,7 @@ checkpoint), one host's process is killed. Printed, from the killed run's summar
 The uninterrupted run goes first and fills the persistent compilation cache, so the killed
 run's first group and its fresh group compile alike.
 
-    python scripts/bench_recovery.py [--steps 200] [--interval 20] [--seed 0]
+    python -m scripts.bench.recovery [--steps 200] [--interval 20] [--seed 0]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from scripts.bench.harness import ratio, write_results
 from training.config import compose_run_config
 from training.run import run_training
 
@@ -147,9 +148,10 @@ def main() -> None:
     for key, value in figures.items():
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
-    met = figures["recovery_over_time_to_first_step"] <= 0.5
-    print(f"target recovery / time to first step <= 0.5: {'met' if met else 'missed'}")
+    found = figures["recovery_over_time_to_first_step"]
+    print(f"recovery / time to first step: {ratio(found, '<= 0.5')}")
     print(json.dumps(figures))
+    write_results("recovery", figures)
 
 
 if __name__ == "__main__":

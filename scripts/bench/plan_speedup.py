@@ -1,16 +1,15 @@
 """Predicted data-parallel speedup of `wide_mlp` on 2, 4 and 8 GPUs of one 8-GPU NVLink node,
-from `training.plan`'s model, beside the commonly quoted 2, 3.8 and 7.3 × (bench_scaling.py's
-reference). A prediction, not a measurement: it runs on CPU in seconds.
+from `training.plan`'s model, against the commonly quoted 2, 3.8 and 7.3 × (scaling's
+reference, the target). A prediction, not a measurement: it runs on CPU in seconds.
 
-    python scripts/plan_speedup.py [--per-device-batch 256 1024 2048] [--overrides ...]
+    python -m scripts.bench.plan_speedup [--per-device-batch 256 1024 2048] [--overrides ...]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench_scaling import REFERENCE_SPEEDUP
-
+from scripts.bench.harness import REFERENCE_SPEEDUP, ratio, write_results
 from training.config import compose_run_config
 from training.plan import make_plan
 
@@ -33,6 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     quoted = ", ".join(f"{n} GPUs {REFERENCE_SPEEDUP[n]}×" for n in (2, 4, 8))
     print(f"quoted: {quoted}")
+    results = {}
     for per_device in args.per_device_batch:
         overrides = [*NVLINK_NODE, f"trainer.global_batch={8 * per_device}", *args.overrides]
         cfg = compose_run_config(overrides)
@@ -42,8 +42,11 @@ def main() -> None:
         compute = one.flops_per_device / (cfg.plan.device_tflops * 1e12)
         print(
             f"{per_device:5d} examples per GPU: {predicted} (8 GPUs: compute "
-            f"{compute * 1e3:.2f} ms, step {one.step_seconds(cfg.plan) * 1e3:.2f} ms)"
+            f"{compute * 1e3:.2f} ms, step {one.step_seconds(cfg.plan) * 1e3:.2f} ms); 8 GPUs "
+            f"against the quoted: {ratio(plan.speedups[8] / REFERENCE_SPEEDUP[8], '>= 1.00')}"
         )
+        results[per_device] = {n: plan.speedups[n] for n in (2, 4, 8)}
+    write_results("plan_speedup", results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,421 @@
+"""What the benchmarks share: their models and configs, the devices a process simulates,
+the fresh processes some start, the timing, the hand-written baselines, and how a ratio and
+the results are reported. Imports nothing that starts JAX: a benchmark chooses its devices
+(`use_env`) before it imports jax."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+os.environ.setdefault("KERAS_BACKEND", "jax")  # as `import training` sets it; keras may come first
+
+# ---- models and configs ----------------------------------------------------------------
+
+# A small transformer that compiles and steps quickly on CPU devices (8 heads, so that model
+# parallelism can split it 8 ways).
+BENCH_TRANSFORMER = [
+    "model=transformer",
+    "data=text",
+    "model.kwargs.layers=2",
+    "model.kwargs.d_model=64",
+    "model.kwargs.heads=8",
+    "model.kwargs.d_ff=256",
+    "model.seq_len=32",
+]
+# The system's runs against plain processes: the small transformer, hybrid 2 × 4 on 2 hosts.
+SYSTEM = [
+    "strategy=hybrid",
+    "mesh.data=2",
+    "mesh.model=4",
+    *BENCH_TRANSFORMER,
+    "trainer.global_batch=32",
+    "trainer.eval_batches=0",
+    "trainer.log_interval=10",
+]
+SYSTEM_STEPS = 60
+READ_EVERY = 10  # the hand-written loops read the loss (and so wait) every this many steps
+# Data-parallel speedups commonly quoted for 2, 4 and 8 GPUs.
+REFERENCE_SPEEDUP = {1: 1.0, 2: 2.0, 4: 3.8, 8: 7.3}
+
+# One accelerator's workloads (accelerator_loops, plan_memory --accelerator).
+ACCELERATOR_COMMON = [
+    "cluster=inprocess",
+    "trainer.precision=bfloat16",
+    "optimizer=adamw",
+    "optimizer.learning_rate=1e-4",
+    "trainer.eval_batches=0",
+    "trainer.compile_cache_dir=off",
+    "export.enabled=false",
+    "data=tokens",
+]
+ACCELERATOR_TRANSFORMER = ["model=transformer", "model.seq_len=1024", "trainer.global_batch=16"]
+WORKLOADS = {
+    "transformer-86M": [
+        *ACCELERATOR_TRANSFORMER,
+        "model.kwargs.layers=12",
+        "model.kwargs.d_model=768",
+        "model.kwargs.heads=12",
+        "model.kwargs.d_ff=3072",
+    ],
+    "transformer-302M": [
+        *ACCELERATOR_TRANSFORMER,
+        "model.kwargs.layers=24",
+        "model.kwargs.d_model=1024",
+        "model.kwargs.heads=16",
+        "model.kwargs.d_ff=4096",
+    ],
+    # A check of the accelerator benchmarks on CPU, in seconds.
+    "transformer-tiny": [
+        "model=transformer",
+        "model.seq_len=64",
+        "trainer.global_batch=8",
+        "model.kwargs.layers=2",
+    ],
+    "llama-lora": [
+        "model=hub",
+        "model.backbone=LlamaBackbone",
+        "model.seq_len=512",
+        "trainer.global_batch=4",
+        "model.lora_rank=8",
+        # TinyLlama-1.1B's shape
+        "model.kwargs.vocabulary_size=32000",
+        "model.kwargs.num_layers=22",
+        "model.kwargs.num_query_heads=32",
+        "model.kwargs.num_key_value_heads=4",
+        "model.kwargs.hidden_dim=2048",
+        "model.kwargs.intermediate_dim=5632",
+    ],
+}
+VOCABULARY = {"llama-lora": 32000}  # the others: 256, bytes
+
+
+def workload_overrides(workload: str, tokens: Path, steps: int) -> list[str]:
+    return [
+        *ACCELERATOR_COMMON,
+        *WORKLOADS[workload],
+        f"data.path={tokens}",
+        f"data.vocab_size={VOCABULARY.get(workload, 256)}",
+        f"trainer.steps={steps}",
+        f"trainer.log_interval={READ_EVERY}",
+    ]
+
+
+def write_tokens(directory: Path, workload: str) -> Path:
+    """Random token ids of the workload's vocabulary, enough for every loop's steps without
+    wrapping much."""
+    import numpy as np
+
+    vocabulary = VOCABULARY.get(workload, 256)
+    path = directory / f"tokens-{vocabulary}.bin"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        rng.integers(0, vocabulary, size=4_000_000, dtype=np.uint16).tofile(path)
+    return path
+
+
+# ---- devices and processes -------------------------------------------------------------
+
+
+def cpu_env(devices: int, xla_flags: str | None = None) -> dict:
+    """This environment with `devices` simulated CPU devices (`xla_flags` in full, if given)."""
+    return {
+        **os.environ,
+        "XLA_FLAGS": xla_flags or f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "KERAS_BACKEND": "jax",
+    }
+
+
+def gpu_env() -> dict:
+    """This environment with GPU 0 alone."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "KERAS_BACKEND": "jax"}
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def use_env(env: dict) -> None:
+    """This process's devices, as `env` sets them: before jax is imported."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(module: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """`python -m scripts.bench.<module> ARGS` from the repository root, its output read."""
+    command = [sys.executable, "-m", f"scripts.bench.{module}", *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def result_of(process: subprocess.Popen):
+    """What a started process printed last, as JSON."""
+    output, _ = process.communicate()
+    if process.returncode:
+        raise SystemExit(f"{process.args} failed with status {process.returncode}")
+    return json.loads(output.strip().splitlines()[-1])
+
+
+# ---- timing and reporting --------------------------------------------------------------
+
+
+def steady_step_seconds(reports: list) -> float:
+    """The median step time of the logged intervals after the first (compile, warm-up)."""
+    from training.events import StepLogged
+
+    per_step = [r.seconds / r.steps for r in reports if isinstance(r, StepLogged)]
+    return statistics.median(per_step[1:])
+
+
+def ratio(value: float, target: str, digits: int = 2) -> str:
+    return f"ratio {value:.{digits}f} (target {target})"
+
+
+def write_results(name: str, results) -> None:
+    """$OUT/<name>.json, where OUT is set (the device machine's results folder)."""
+    if out := os.environ.get("OUT"):
+        Path(out, f"{name}.json").write_text(json.dumps(results, indent=1))
+
+
+# ---- the system: `training.run`'s own path ---------------------------------------------
+
+
+def system_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark of the system against plain processes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=SYSTEM_STEPS, help="steps of each run")
+    return parser
+
+
+def system_overrides(steps: int, compile_cache: str = "") -> list[str]:
+    """The system's run of `steps` (its compilation cache in `compile_cache`, where given)."""
+    cache = [f"trainer.compile_cache_dir={compile_cache}"] if compile_cache else []
+    return [*SYSTEM, f"trainer.steps={steps}", *cache]
+
+
+def run_system(overrides: list[str], launched: float) -> dict:
+    """A run of the system in this process (a local Ray instance, its hosts), timed from
+    `launched`: its steady step, its time to first step and where that went."""
+    from rich.console import Console
+
+    from training.config import compose_run_config
+    from training.run import run_training
+
+    imported = time.time()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        summary = run_training(compose_run_config(overrides), Path(out), Console(quiet=True))
+    driver_before_supervisor = time.perf_counter() - started - summary["wall_seconds"]
+    phases = summary["phase_seconds"]
+    return {
+        "step_seconds": max(summary["per_host_step_seconds"]),
+        "since_start": imported - launched,
+        "first_step_seconds": driver_before_supervisor + phases["first_step"],
+        "compile_and_first_step": phases["first_step"] - phases["model_built"],
+        "compile_seconds": summary["compile_seconds"],
+        "compile_cache": summary["compile_cache"],
+        "breakdown": {
+            "config, Ray, hosts requested, checks": driver_before_supervisor,
+            "actors placed + started": phases["actors_started"] - phases["ray_ready"],
+            "jax.distributed joined": phases["jax_cluster_joined"] - phases["actors_started"],
+            "model built": phases["model_built"] - phases["jax_cluster_joined"],
+            "compile + first step": phases["first_step"] - phases["model_built"],
+        },
+    }
+
+
+def run_system_afresh(overrides: list[str]) -> dict:
+    """`run_system` in a new process, as a user's `python -m training.run` starts: nothing
+    imported yet. Timed from its launch."""
+    return result_of(start("system_process", [str(time.time()), *overrides]))
+
+
+def system_time_to_first_step(run: dict) -> float:
+    return run["since_start"] + run["first_step_seconds"]
+
+
+def print_breakdown(phases: dict) -> None:
+    for phase, seconds in phases.items():
+        print(f"     {phase:38s} {seconds:6.2f} s")
+
+
+def print_system_breakdown(run: dict) -> None:
+    """Where a fresh system process's time to first step went."""
+    print_breakdown({"launch + imports": run["since_start"], **run["breakdown"]})
+
+
+@contextmanager
+def running_ray_instance():
+    """A local Ray instance as a user keeps one (`ray start --head`), stopped afterwards:
+    `--block` keeps `ray start` in the foreground, and stopping it stops its processes
+    alone (not `ray stop`, which stops every Ray instance on the machine)."""
+    port = free_port()
+    command = ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=8"]
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / command[0]), *command[1:], "--include-dashboard=false"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        from ray._private.services import find_gcs_addresses
+
+        deadline = time.time() + 120
+        while find_gcs_addresses.cache_clear() or not any(
+            a.endswith(f":{port}") for a in find_gcs_addresses()
+        ):
+            if time.time() > deadline or process.poll() is not None:
+                raise RuntimeError("ray start --head did not start")
+            time.sleep(0.5)
+        time.sleep(2)  # its raylet registers after the GCS is up
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+# ---- the baseline: plain processes running a hand-written jax.jit loop -----------------
+
+
+def run_plain(overrides: list[str], steps: int) -> dict:
+    """2 plain processes of 4 CPU devices each, joined by `jax.distributed` without Ray,
+    each running `jit_loop` on the config's model and mesh (plain_process); timed from their
+    launch."""
+    port = free_port()
+    launched = time.time()
+    processes = [
+        start(
+            "plain_process", [str(p), str(port), str(launched), str(steps), *overrides], cpu_env(4)
+        )
+        for p in range(2)
+    ]
+    results = [result_of(p) for p in processes]
+    return {
+        "step_seconds": max(r["step_seconds"] for r in results),
+        "first_step_seconds": max(r["first_step_done"] for r in results) - launched,
+        "breakdown": {
+            phase: max(r["breakdown"][phase] for r in results) for phase in results[0]["breakdown"]
+        },
+    }
+
+
+def jit_loop(model, dataset, batch: int, rows: slice, steps: int, accuracy: bool = False) -> dict:
+    """A `jax.jit` step written by hand, dispatched without waiting; the loss is read every
+    READ_EVERY steps (also keeps XLA's CPU collectives from timing out, jax #25861), with the
+    interval's accuracy where `accuracy` (its correct and total counts summed on the device).
+    Returns the median step time over those intervals after the first and when step 1 was
+    done."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    loss_fn, optimizer = model.loss, model.optimizer
+    layout = keras.distribution.distribution()
+
+    def loss_of(trainable, non_trainable, x, y):
+        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        return loss_fn(y, logits), (logits, non_trainable)
+
+    def step(trainable, non_trainable, optimizer_state, counts, x, y):
+        (loss, (logits, non_trainable)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            trainable, non_trainable, x, y
+        )
+        trainable, optimizer_state = optimizer.stateless_apply(optimizer_state, grads, trainable)
+        if accuracy:
+            hits = jnp.argmax(logits, axis=-1) == y.reshape(logits.shape[:-1])
+            counts = counts + jnp.stack([hits.sum(), hits.size]).astype(jnp.float32)
+        return loss, counts, trainable, non_trainable, optimizer_state
+
+    groups = (model.trainable_variables, model.non_trainable_variables, optimizer.variables)
+    shardings = [[v.value.sharding for v in variables] for variables in groups]
+    step = jax.jit(step, donate_argnums=(0, 1, 2), out_shardings=(None, None, *shardings))
+    state = [[v.value for v in variables] for variables in groups]
+
+    def place(array):
+        sharding = layout.get_data_layout(array.shape).backend_layout
+        return jax.make_array_from_process_local_data(sharding, array)
+
+    first_done, intervals = None, []
+    fresh = counts = jnp.zeros(2, jnp.float32)
+    started = time.perf_counter()
+    for i in range(steps):
+        x, y = dataset.batch("train", i, batch, rows)
+        loss, counts, *state = step(*state, counts, place(x), place(y))
+        if i == 0:
+            float(loss)
+            first_done = time.time()
+            started = time.perf_counter()
+        elif i % READ_EVERY == 0:
+            jax.device_get((loss, counts))
+            counts = fresh
+            now = time.perf_counter()
+            intervals.append((now - started) / READ_EVERY)
+            started = now
+    return {"step_seconds": statistics.median(intervals[1:]), "first_step_done": first_done}
+
+
+# ---- the memory benchmarks: one process, 8 simulated CPU devices of one host -----------
+
+ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
+TEXT_TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
+REMATS = ("none", "full", "dots")
+MODELS = {
+    "mlp": ["model=mlp", "trainer.global_batch=16"],
+    "wide_mlp": ["model=wide_mlp", "trainer.global_batch=16"],
+    "transformer": TEXT_TRANSFORMER,
+    "llama": ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"],
+}
+# name: (strategy, (mesh.data, mesh.model), further overrides)
+STRATEGIES = {
+    "data_parallel": ("data_parallel", (8, 1), []),
+    "fsdp": ("fsdp", (8, 1), []),
+    "hybrid": ("hybrid", (2, 4), []),
+    "hybrid+fsdp": ("hybrid", (2, 4), ["strategy.fsdp=true"]),
+    "model_parallel": ("model_parallel", (1, 8), []),
+}
+
+
+def use_eight_cpu_devices() -> None:
+    """8 simulated CPU devices that rematerialise as the hosts' do: before jax is imported."""
+    from training.models.remat import cpu_xla_flags
+
+    use_env(cpu_env(8, cpu_xla_flags(8)))
+
+
+def memory_config(model: str, strategy: str, *extra: str):
+    """The config of `model` under `strategy` on 8 devices of one host, and its mesh."""
+    from training.config import compose_run_config
+    from training.parallel.mesh import MeshShape
+
+    name, (data, model_axis), overrides = STRATEGIES[strategy]
+    cfg = compose_run_config(
+        [*ONE_HOST, *MODELS[model], f"strategy={name}", f"mesh.data={data}"]
+        + [f"mesh.model={model_axis}", *overrides, *extra]
+    )
+    return cfg, MeshShape(data, model_axis)
+
+
+def measured(cfg, mesh):
+    """What the compiled step of `cfg` on `mesh` holds and sends, the distribution reset."""
+    import keras
+
+    from training.planning.compiled import measure_step
+
+    try:
+        return measure_step(cfg, mesh)
+    finally:
+        keras.distribution.set_distribution(None)
