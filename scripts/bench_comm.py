@@ -33,6 +33,7 @@ from training.config import LAYOUTS, compose_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.models import transformer  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
+from training.parallel.strategy import Strategy  # noqa: E402
 from training.planning.collectives import Collective, sent_bytes  # noqa: E402
 from training.planning.compiled import BENCH_TRANSFORMER, measure_step  # noqa: E402
 from training.planning.costs import abstract_model, strategy_cost  # noqa: E402
@@ -54,7 +55,7 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
     """(bytes sent, live parameter + optimizer bytes) per device of one step."""
     cfg = compose_run_config([f"strategy={strategy}", f"strategy.layout={layout}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    plan = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
+    plan = strategy_cost(cfg, model, Strategy.of(cfg.strategy), mesh, cfg.trainer.micro_batch)
     measured = measure_step(cfg, mesh)
     keras.distribution.set_distribution(None)
     print(f"\n{strategy} mesh {mesh.data}×{mesh.model}, strategy.layout={layout}")
@@ -71,7 +72,9 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
         print(f"    {count:3d} × {kind:18s} over {group} devices: {sent:12,.0f} B")
     live = measured.parameter_bytes_per_device + measured.optimizer_bytes_per_device
     predicted = plan.parameter_bytes + plan.optimizer_bytes
-    whole = strategy_cost(cfg, model, "data_parallel", MeshShape(1, 1), 1)
+    whole = strategy_cost(
+        cfg, model, Strategy.of(cfg.strategy, "data_parallel"), MeshShape(1, 1), 1
+    )
     ideal = (whole.parameter_bytes + whole.optimizer_bytes) / mesh.model
     print(
         f"  parameter + optimizer bytes per device: live {live:,} B, ideal {ideal:,.0f} B "

@@ -56,6 +56,7 @@ from training.data import build_dataset  # noqa: E402
 from training.models import rule_axes  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
+from training.parallel.strategy import Strategy  # noqa: E402
 from training.planning.collectives import Collective, sent_bytes  # noqa: E402
 from training.planning.compiled import (  # noqa: E402
     as_hosts_get_it,
@@ -66,10 +67,10 @@ from training.planning.compiled import (  # noqa: E402
 )
 from training.planning.costs import (  # noqa: E402
     abstract_model,
-    layout_rules,
     memory_cost,
     split_ways,
 )
+from training.planning.layout import resolve_layout  # noqa: E402
 
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
@@ -107,7 +108,7 @@ def measured(cfg, mesh):
 def fsdp_figures(model: str, strategy: str) -> None:
     cfg, mesh = config(model, strategy)
     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    rules = layout_rules(cfg, cfg.strategy.name, mesh, plan_model)
+    rules = resolve_layout(Strategy.of(cfg.strategy), mesh, plan_model.key).rules
     step = measured(cfg, mesh)
     state = step.parameter_bytes_per_device + step.optimizer_bytes_per_device
     whole = [v for v in plan_model.variables if split_ways(v.path, rules, mesh) == 1]
@@ -192,7 +193,7 @@ def plan_against_compiled() -> None:
                 cfg, mesh = config(model, strategy, f"trainer.remat={remat}")
                 try:
                     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-                    plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+                    plan = memory_cost(cfg, plan_model, Strategy.of(cfg.strategy), mesh, 16)
                     step = measured(cfg, mesh).memory
                 except (ConfigError, ValueError) as error:
                     print(f"  {model:12} {strategy:15} {remat:5} -: {str(error)[:60]}")
@@ -217,7 +218,7 @@ def budget_figures() -> None:
     )
     for strategy in ("data_parallel", "fsdp"):
         cfg, mesh = config("wide_mlp", strategy, f"plan.device_memory_gb={budget_gb}")
-        plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+        plan = memory_cost(cfg, plan_model, Strategy.of(cfg.strategy), mesh, 16)
         fits = plan.total_bytes <= budget_gb * 1e9
         line = f"    {strategy}: the plan says {readable_bytes(plan.total_bytes)} per device, "
         line += "fits" if fits else "does not fit"
@@ -365,7 +366,11 @@ def plan_against_accelerator(workloads: list[str]) -> None:
                 spec = build_dataset(cfg.data).spec
                 batch = cfg.trainer.micro_batch
                 planned = memory_cost(
-                    cfg, abstract_model(cfg, spec), "data_parallel", MeshShape(1, 1), batch
+                    cfg,
+                    abstract_model(cfg, spec),
+                    Strategy.of(cfg.strategy, "data_parallel"),
+                    MeshShape(1, 1),
+                    batch,
                 ).total_bytes
                 keras.backend.clear_session()
                 model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))
