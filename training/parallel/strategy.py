@@ -26,7 +26,9 @@ class Rules(Enum):
 
 @dataclass(frozen=True)
 class Strategy:
-    name: str  # as the config names it: for messages and overrides only
+    # As the config names it: for messages and overrides only (what it is, the fields
+    # below, is what two strategies compare by)
+    name: str = field(compare=False)
     axes: tuple[str, ...]  # the mesh axes it uses; the others have size 1
     rules: Rules
     shards_over_data: bool  # weights above SPLIT_THRESHOLD_BYTES split over `data` too
