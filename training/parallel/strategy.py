@@ -54,7 +54,10 @@ class Strategy:
             return cls(name, ("data",), Rules.USER, True, user, why)
         if name == "model_parallel":
             return cls(name, ("model",), rules, False, user, "uses no data axis")
-        return cls(name, ("data", "model"), rules, config.fsdp, user)
+        if name == "hybrid":
+            return cls(name, ("data", "model"), rules, config.fsdp, user)
+        # A name the config resolves before anything lays the model out (or none it takes).
+        raise ValueError(f"strategy={name} is not a strategy that lays out a model")
 
     @property
     def replicates(self) -> bool:
