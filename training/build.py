@@ -15,6 +15,7 @@ from training.data import build_dataset
 from training.models.remat import rematerialised
 from training.parallel.fsdp import gather_for_use
 from training.parallel.mesh import build_distribution
+from training.parallel.strategy import Strategy
 from training.recipe import compile_model
 
 
@@ -22,10 +23,14 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     """The compiled model, its variables laid out over `grid`, and the dataset it reads."""
     import keras
 
-    rules = {}
-    if cfg.strategy.name != "data_parallel":
-        rules = models.layout_rules(cfg.model, grid.shape, cfg.strategy.layout_rules, grid)
-    keras.distribution.set_distribution(build_distribution(cfg.strategy.name, grid, rules))
+    strategy = Strategy.of(cfg.strategy)
+    rules = strategy.given_rules(cfg.model, grid.shape, grid)
+    if rules is None:
+        raise ValueError(
+            "strategy.layout=auto: the driver derives the rules and settles them into the "
+            "hosts' config (training.parallel.mesh.settled); build from that config"
+        )
+    keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
     dataset = build_dataset(cfg.data)
     model = build_compiled(cfg, dataset.spec)
     gather_for_use(model)  # fsdp's weights, and those a model's own rules split over `data`

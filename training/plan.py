@@ -28,13 +28,13 @@ from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.models.remat import cpu_xla_flags  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
+from training.parallel.strategy import Strategy  # noqa: E402
 from training.planning.auto_layout import AutoLayout  # noqa: E402
 from training.planning.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
     abstract_model,
-    candidate_meshes,
-    layout_rules,
+    candidates,
     over_budget,
     split_ways,
     strategy_cost,
@@ -64,9 +64,9 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
     checked = preflight(replace(cfg, plan=replace(cfg.plan, check_memory=False)))
     model = abstract_model(cfg, checked.data_spec)
     examples = cfg.trainer.micro_batch
-    configured = strategy_cost(cfg, model, cfg.strategy.name, checked.mesh, examples)
+    configured = strategy_cost(cfg, model, Strategy.of(cfg.strategy), checked.mesh, examples)
     alternatives = []
-    for strategy, mesh in candidate_meshes(checked.mesh.devices, checked.devices_per_host):
+    for strategy, mesh in candidates(cfg.strategy, checked.mesh.devices, checked.devices_per_host):
         if examples % mesh.data:
             continue
         try:
@@ -90,7 +90,7 @@ def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost)
     one = strategy_cost(cfg, model, cost.strategy, MeshShape(1, 1), rows).step_seconds(cfg.plan)
     speedups = {}
     for n in SPEEDUP_DEVICES:
-        m = n if cost.strategy == "model_parallel" else min(cost.mesh.model, n)
+        m = min(cost.mesh.model, n) if "data" in cost.strategy.axes else n
         if n % m:
             continue
         mesh = MeshShape(n // m, m)
@@ -105,14 +105,15 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
     found = []
     hardware = cfg.plan
     if cost.mesh.model > 1:
+        data_parallel = Strategy.of(cfg.strategy, "data_parallel")
         whole = strategy_cost(
-            cfg, model, "data_parallel", MeshShape(1, 1), cost.examples_per_data_shard
+            cfg, model, data_parallel, MeshShape(1, 1), cost.examples_per_data_shard
         )
         if whole.memory_bytes <= hardware.device_memory_gb * GB:
             found.append(
                 f"the model fits on one device ({readable_bytes(whole.memory_bytes)} of "
                 f"{hardware.device_memory_gb:g} GB with its optimizer state and activations), "
-                f"yet strategy={cost.strategy} splits it {cost.mesh.model} ways: model "
+                f"yet strategy={cost.strategy.name} splits it {cost.mesh.model} ways: model "
                 "parallelism is for models that do not fit; strategy=data_parallel only "
                 "all-reduces the gradients"
             )
@@ -138,11 +139,10 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
 
 
 def _large_replicated(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
-    rules = layout_rules(cfg, cost.strategy, cost.mesh, model)
     return [
         f"{v.path} {list(v.shape)}"
         for v in model.variables
-        if split_ways(v.path, rules, cost.mesh) == 1
+        if split_ways(v.path, cost.rules, cost.mesh) == 1
         and array_bytes(v.shape, v.dtype) > SPLIT_THRESHOLD_BYTES
     ]
 
@@ -167,9 +167,8 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
         over = cost.memory_bytes > cfg.plan.device_memory_gb * GB
-        fsdp = "+fsdp" if cost.strategy == "hybrid" and cfg.strategy.fsdp else ""
         table.add_row(
-            f"{cost.strategy}{fsdp}{' *' if chosen else ''}{' !' if over else ''}",
+            f"{cost.strategy.label}{' *' if chosen else ''}{' !' if over else ''}",
             f"{cost.mesh.data}×{cost.mesh.model}",
             readable_bytes(cost.parameter_bytes),
             readable_bytes(cost.optimizer_bytes),
@@ -189,10 +188,10 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         "links; net: the mesh axes whose collectives cross hosts; step: the predicted time of a "
         "step"
     )
-    hardware = cfg.plan
+    hardware, configured = cfg.plan, plan.configured
     console.print(
-        f"predicted speedup of {plan.configured.strategy} ({hardware.intra_host_gb_per_s:g} GB/s "
-        f"inside a host of {plan.configured.devices_per_host}, {hardware.inter_host_gb_per_s:g} "
+        f"predicted speedup of {configured.strategy.name} ({hardware.intra_host_gb_per_s:g} GB/s "
+        f"inside a host of {configured.devices_per_host}, {hardware.inter_host_gb_per_s:g} "
         f"GB/s between hosts, latency {hardware.latency_us:g} µs, {hardware.device_tflops:g} "
         "TFLOP/s per device): "
         + ", ".join(f"{n} devices {s:.3g}×" for n, s in plan.speedups.items()),

@@ -51,13 +51,14 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
     from training.config import compose_run_config
     from training.data import build_dataset
     from training.models import transformer
+    from training.parallel.strategy import Strategy
     from training.planning.collectives import Collective, sent_bytes
     from training.planning.costs import abstract_model, strategy_cost
     from training.planning.megatron import megatron_minimum
 
     cfg = compose_run_config([f"strategy={strategy}", f"strategy.layout={layout}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    plan = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
+    plan = strategy_cost(cfg, model, Strategy.of(cfg.strategy), mesh, cfg.trainer.micro_batch)
     step = measured(cfg, mesh)
     print(f"\n{strategy} mesh {mesh.data}×{mesh.model}, strategy.layout={layout}")
     print(
@@ -72,7 +73,9 @@ def bench(strategy: str, mesh: MeshShape, layout: str, overrides: list[str]) -> 
         print(f"    {count:3d} × {kind:18s} over {group} devices: {sent:12,.0f} B")
     live = step.parameter_bytes_per_device + step.optimizer_bytes_per_device
     predicted = plan.parameter_bytes + plan.optimizer_bytes
-    whole = strategy_cost(cfg, model, "data_parallel", MeshShape(1, 1), 1)
+    whole = strategy_cost(
+        cfg, model, Strategy.of(cfg.strategy, "data_parallel"), MeshShape(1, 1), 1
+    )
     ideal = (whole.parameter_bytes + whole.optimizer_bytes) / mesh.model
     print(
         f"  parameter + optimizer bytes per device: live {live:,} B, ideal {ideal:,.0f} B: "

@@ -27,12 +27,14 @@ def fsdp_figures(model: str, strategy: str) -> dict:
     from training.data import build_dataset
     from training.models import rule_axes
     from training.parallel.dtypes import array_bytes, readable_bytes
+    from training.parallel.strategy import Strategy
     from training.planning.collectives import Collective, sent_bytes
-    from training.planning.costs import abstract_model, layout_rules, split_ways
+    from training.planning.costs import abstract_model, split_ways
+    from training.planning.layout import resolve_layout
 
     cfg, mesh = memory_config(model, strategy)
     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    rules = layout_rules(cfg, cfg.strategy.name, mesh, plan_model)
+    rules = resolve_layout(Strategy.of(cfg.strategy), mesh, plan_model.key).rules
     step = measured(cfg, mesh)
     state = step.parameter_bytes_per_device + step.optimizer_bytes_per_device
     whole = [v for v in plan_model.variables if split_ways(v.path, rules, mesh) == 1]

@@ -22,6 +22,7 @@ def main() -> None:
     use_eight_cpu_devices()
     from training.data import build_dataset
     from training.parallel.dtypes import array_bytes, readable_bytes
+    from training.parallel.strategy import Strategy
     from training.planning.costs import abstract_model, memory_cost
 
     budget = f"plan.device_memory_gb={BUDGET_GB}"
@@ -34,7 +35,7 @@ def main() -> None:
     found = {}
     for strategy in ("data_parallel", "fsdp"):
         cfg, mesh = memory_config("wide_mlp", strategy, budget)
-        plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+        plan = memory_cost(cfg, plan_model, Strategy.of(cfg.strategy), mesh, 16)
         fits = plan.total_bytes <= BUDGET_GB * 1e9
         line = f"  {strategy}: the plan says {readable_bytes(plan.total_bytes)} per device, "
         line += "fits" if fits else "does not fit"

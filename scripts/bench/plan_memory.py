@@ -39,6 +39,7 @@ def plan_against_compiled() -> list[dict]:
     from training.config import ConfigError
     from training.data import build_dataset
     from training.parallel.dtypes import readable_bytes
+    from training.parallel.strategy import Strategy
     from training.planning.costs import abstract_model, memory_cost
 
     print(
@@ -53,7 +54,7 @@ def plan_against_compiled() -> list[dict]:
                 cfg, mesh = memory_config(model, strategy, f"trainer.remat={remat}")
                 try:
                     plan_model = abstract_model(cfg, build_dataset(cfg.data).spec)
-                    plan = memory_cost(cfg, plan_model, cfg.strategy.name, mesh, 16)
+                    plan = memory_cost(cfg, plan_model, Strategy.of(cfg.strategy), mesh, 16)
                     step = measured(cfg, mesh).memory
                 except (ConfigError, ValueError) as error:
                     print(f"  {model:12} {strategy:15} {remat:5} -: {str(error)[:60]}")
@@ -92,6 +93,7 @@ def plan_against_accelerator(workloads: list[str]) -> list[dict]:
     from training.host.memory import memory_limit, out_of_memory_explained
     from training.parallel.dtypes import readable_bytes
     from training.parallel.mesh import MeshShape
+    from training.parallel.strategy import Strategy
     from training.planning.compiled import built_as_hosts_build
     from training.planning.costs import abstract_model, memory_cost
 
@@ -113,7 +115,11 @@ def plan_against_accelerator(workloads: list[str]) -> list[dict]:
                 spec = build_dataset(cfg.data).spec
                 batch = cfg.trainer.micro_batch
                 planned = memory_cost(
-                    cfg, abstract_model(cfg, spec), "data_parallel", MeshShape(1, 1), batch
+                    cfg,
+                    abstract_model(cfg, spec),
+                    Strategy.of(cfg.strategy, "data_parallel"),
+                    MeshShape(1, 1),
+                    batch,
                 ).total_bytes
                 keras.backend.clear_session()
                 model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))

@@ -6,8 +6,9 @@ import pytest
 from tests.conftest import run_config
 from training.config import ConfigError
 from training.contracts import VariableInfo
-from training.driver.preflight import check_layout_rules, preflight
+from training.driver.preflight import preflight
 from training.parallel.mesh import MeshShape
+from training.planning.layout import check_layout_rules
 
 VARIABLES = [
     VariableInfo("dense/kernel", (16, 12), "float32"),

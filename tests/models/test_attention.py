@@ -16,9 +16,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tests.models.test_transformer import TINY, train_in_process
+from training.config import StrategyConfig
 from training.models.attention import causal_attention, choose
 from training.models.transformer import CausalSelfAttention
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
+from training.parallel.strategy import Strategy
 from training.planning import collectives
 
 BF16, F32 = "bfloat16", "float32"
@@ -80,7 +82,8 @@ def jax_attention(query, key, value):
 
 
 def test_the_kernel_on_each_device_of_a_2x4_mesh_gives_jaxs_attention_and_sends_nothing():
-    distribution = build_distribution("hybrid", device_grid(jax.devices(), MeshShape(2, 4)), {})
+    hybrid = Strategy.of(StrategyConfig(name="hybrid"))
+    distribution = build_distribution(hybrid, device_grid(jax.devices(), MeshShape(2, 4)), {})
     heads_split = NamedSharding(
         distribution.device_mesh.backend_mesh, PartitionSpec("data", None, "model", None)
     )

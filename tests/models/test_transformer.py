@@ -16,6 +16,7 @@ from training.events import StepLogged
 from training.host import trainer
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
+from training.parallel.strategy import Strategy
 
 TEXT = ["model=transformer", "data=text"]
 # A transformer small enough to train a few steps in seconds.
@@ -43,7 +44,7 @@ def build_under(strategy: str, mesh: MeshShape, overrides: list[str]):
     cfg = run_config([f"strategy={strategy}"] + overrides)
     grid = device_grid(jax.devices(), mesh)
     rules = models.layout_rules(cfg.model, mesh.as_tuple(), devices=grid)
-    keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
+    keras.distribution.set_distribution(build_distribution(Strategy.of(cfg.strategy), grid, rules))
     keras.utils.set_random_seed(0)
     return models.build_model(cfg.model, build_dataset(cfg.data).spec)
 

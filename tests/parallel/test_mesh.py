@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import fake_devices, run_config
 from training import models
-from training.config import ConfigError, MeshConfig
+from training.config import ConfigError, MeshConfig, StrategyConfig
 from training.data import build_dataset
 from training.parallel.mesh import (
     MeshShape,
@@ -17,6 +17,7 @@ from training.parallel.mesh import (
     model_groups_within_hosts,
     resolve_mesh,
 )
+from training.parallel.strategy import Strategy
 
 
 @pytest.fixture
@@ -27,7 +28,9 @@ def built_model():
         cfg = run_config([f"strategy={strategy}"])
         grid = device_grid(jax.devices(), mesh)
         rules = models.layout_rules(cfg.model, mesh.as_tuple(), extra_rules, grid)
-        keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
+        keras.distribution.set_distribution(
+            build_distribution(Strategy.of(cfg.strategy), grid, rules)
+        )
         keras.utils.set_random_seed(0)
         return models.build_model(cfg.model, build_dataset(cfg.data).spec), rules
 
@@ -98,6 +101,10 @@ def test_each_host_feeds_the_rows_its_devices_hold(mesh, rows):
     assert [host_batch_rows(grid, host, 64) for host in range(2)] == rows
 
 
+def named(strategy: str) -> Strategy:
+    return Strategy.of(StrategyConfig(name=strategy))
+
+
 @pytest.mark.parametrize(
     ("strategy", "mesh", "expected"),
     [
@@ -110,7 +117,7 @@ def test_each_host_feeds_the_rows_its_devices_hold(mesh, rows):
     ],
 )
 def test_auto_axes_take_the_remaining_devices(strategy, mesh, expected):
-    shape = resolve_mesh(strategy, MeshConfig(*mesh), hosts=2, devices_per_host=4)
+    shape = resolve_mesh(named(strategy), MeshConfig(*mesh), hosts=2, devices_per_host=4)
     assert (shape.data, shape.model) == expected
 
 
@@ -130,4 +137,4 @@ def test_auto_axes_take_the_remaining_devices(strategy, mesh, expected):
 )
 def test_impossible_meshes_are_rejected(strategy, mesh, message):
     with pytest.raises(ConfigError, match=message):
-        resolve_mesh(strategy, MeshConfig(*mesh), hosts=2, devices_per_host=4)
+        resolve_mesh(named(strategy), MeshConfig(*mesh), hosts=2, devices_per_host=4)

@@ -34,6 +34,7 @@ from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.data import build_dataset
 from training.driver.display import print_layout
 from training.parallel.mesh import MeshShape
+from training.parallel.strategy import Strategy
 from training.planning import collectives
 from training.planning.auto_layout import REPLICATED_BELOW, derive, derive_for_config
 from training.planning.compiled import measure_step
@@ -163,7 +164,7 @@ def test_plan_of_an_auto_layout_matches_the_compiled_step(case):
     strategy, mesh, overrides = CASES[case]
     cfg = run_config([f"strategy={strategy}", "strategy.layout=auto", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    predicted = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
+    predicted = strategy_cost(cfg, model, Strategy.of(cfg.strategy), mesh, cfg.trainer.micro_batch)
     try:
         measured = measure_step(cfg, mesh)
     finally:

@@ -12,6 +12,7 @@ from tests.conftest import run_config
 from training.config import ConfigError
 from training.data import build_dataset
 from training.parallel.mesh import MeshShape
+from training.parallel.strategy import Strategy
 from training.plan import make_plan
 from training.planning.compiled import measure_step
 from training.planning.costs import abstract_model, strategy_cost
@@ -52,7 +53,7 @@ def plan_and_step(strategy: str, mesh: MeshShape, overrides: tuple[str, ...]):
     """The plan's cost of a configuration and what its compiled step really holds and sends."""
     cfg = run_config([f"strategy={strategy}", *overrides])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    predicted = strategy_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch)
+    predicted = strategy_cost(cfg, model, Strategy.of(cfg.strategy), mesh, cfg.trainer.micro_batch)
     try:
         return predicted, measure_step(cfg, mesh)
     finally:
@@ -162,12 +163,13 @@ def test_plan_needs_the_cluster_size():
 
 
 def test_plan_leaves_out_a_strategy_the_mesh_cannot_take():
-    """3 devices divide no dimension of the MLP's large kernels: fsdp is not listed."""
+    """3 devices divide no dimension of the MLP's large kernels: neither fsdp nor model
+    parallel (the MLP's rules split them over `model`) is listed, as a run refuses both."""
     three = ["cluster.hosts=3", "cluster.devices_per_host=1", "trainer.global_batch=63"]
     plan = make_plan(run_config(three))
-    listed = {cost.strategy for cost in plan.alternatives}
-    assert listed == {"data_parallel", "model_parallel"}
-    assert "fsdp" in {cost.strategy for cost in make_plan(run_config([])).alternatives}
+    listed = {cost.strategy.name for cost in plan.alternatives}
+    assert listed == {"data_parallel"}
+    assert "fsdp" in {cost.strategy.name for cost in make_plan(run_config([])).alternatives}
 
 
 def fastest(overrides: list[str]) -> tuple[str, MeshShape]:
@@ -175,7 +177,7 @@ def fastest(overrides: list[str]) -> tuple[str, MeshShape]:
     cfg = run_config(["model=wide_mlp", "trainer.global_batch=16384", *overrides])
     plan = make_plan(cfg)
     best = min(plan.alternatives, key=lambda cost: cost.step_seconds(cfg.plan))
-    return best.strategy, best.mesh
+    return best.strategy.name, best.mesh
 
 
 def test_hybrid_beats_data_parallel_over_a_slow_network_but_not_over_nvlink():
@@ -189,11 +191,13 @@ def test_hybrid_beats_data_parallel_over_a_slow_network_but_not_over_nvlink():
 def test_collectives_are_costed_on_the_link_their_group_uses():
     cfg = run_config(["model=wide_mlp", "plan.devices_per_host=4"])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    hybrid = strategy_cost(cfg, model, "hybrid", MeshShape(2, 4), 64)
+    hybrid = strategy_cost(cfg, model, Strategy.of(cfg.strategy, "hybrid"), MeshShape(2, 4), 64)
     assert hybrid.crosses_hosts("data") and not hybrid.crosses_hosts("model")
-    on_one_host = strategy_cost(cfg, model, "data_parallel", MeshShape(4, 1), 64)
+    data_parallel = Strategy.of(cfg.strategy, "data_parallel")
+    on_one_host = strategy_cost(cfg, model, data_parallel, MeshShape(4, 1), 64)
     assert not on_one_host.crosses_hosts("data")
-    model_parallel = strategy_cost(cfg, model, "model_parallel", MeshShape(1, 8), 64)
+    model_parallel = Strategy.of(cfg.strategy, "model_parallel")
+    model_parallel = strategy_cost(cfg, model, model_parallel, MeshShape(1, 8), 64)
     assert model_parallel.crosses_hosts("model")
 
 
@@ -302,11 +306,11 @@ def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():
     """The backward pass starts a weight's gradient at its last use: a tied embedding's at the
     output head, so it is live while every block is recomputed, not only at the input."""
     from training.planning.activations import activation_bytes
-    from training.planning.costs import layout_rules
+    from training.planning.layout import resolve_layout
 
     cfg = run_config([*TRANSFORMER, "model.kwargs.tie_embeddings=true", "trainer.remat=full"])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
-    rules = layout_rules(cfg, "data_parallel", MeshShape(8, 1), model)
+    rules = resolve_layout(Strategy.of(cfg.strategy), MeshShape(8, 1), model.key).rules
     segments = activation_bytes(model.keras_model, rules, 1, 2, 4).segments
     using = [i for i, s in enumerate(segments) if s.weights]
     tied = [i for i, s in enumerate(segments) if "token_embedding/embeddings" in s.weights]

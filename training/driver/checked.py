@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
 from training.parallel.mesh import MeshShape, resolve_mesh, settled
+from training.parallel.strategy import Strategy
 from training.planning import auto_layout
 
 
@@ -40,7 +41,7 @@ class Checked:
 def check_sizes(cfg: RunConfig) -> MeshShape:
     """The instant checks: the mesh against the cluster, the batch against the mesh."""
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
-    mesh = resolve_mesh(cfg.strategy.name, cfg.mesh, hosts, per_host)
+    mesh = resolve_mesh(Strategy.of(cfg.strategy), cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)
     return mesh
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -12,16 +11,17 @@ from training.build import count_parameters
 from training.checkpoint.inspection import inspect_checkpoints
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.trainer import ALL_HELD_OUT
-from training.contracts import ACTIVATION_RULE_SUFFIX, DataSpec, LayoutRules, VariableInfo
+from training.contracts import DataSpec
 from training.data import build_dataset
 from training.driver.checked import Checked, check_sizes
 from training.events import OutOfDeviceMemory
 from training.models.flops import model_flops_per_example
-from training.models.remat import rematerialised
-from training.parallel import fsdp
 from training.parallel.dtypes import readable_bytes
 from training.parallel.mesh import MeshShape
-from training.planning import auto_layout, costs, tensor_parallel
+from training.parallel.strategy import Strategy
+from training.planning import costs
+from training.planning.abstract import ModelKey, abstract_keras_model
+from training.planning.layout import resolve_layout
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 from training.recipe.optimizer import check_updates_weights_of
@@ -33,10 +33,8 @@ def preflight(cfg: RunConfig) -> Checked:
     dataset = build_dataset(cfg.data)
     data_spec = dataset.spec
     check_enough_examples(cfg.trainer, data_spec)
-    with models.dtype_policy(cfg.trainer.dtype_policy):
-        model = rematerialised(
-            lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
-        )
+    model_key = ModelKey.of(cfg, data_spec)
+    model = abstract_keras_model(model_key)
     models.check_labels_fit(cfg.model, model, data_spec)
     for dtype in {v.dtype for v in model.trainable_variables} - {"float32"}:
         check_updates_weights_of(cfg.optimizer, dtype)
@@ -49,24 +47,10 @@ def preflight(cfg: RunConfig) -> Checked:
         "trainer.early_stopping.metric", cfg.trainer.early_stopping.metric, figures
     )
     variables = [models.variable_info(v) for v in model.variables]
-    layout, rules = None, None
-    if cfg.strategy.name == "fsdp":
-        rules = fsdp.user_rules_only(cfg.strategy.layout_rules)
-    elif auto_layout.uses_auto_layout(cfg):
-        layout = auto_layout.derive(model, mesh.model, cfg.strategy.layout_rules)
-        rules = layout.rules
-    elif cfg.strategy.name != "data_parallel":
-        paths = [v.path for v in variables]
-        rules = models.layout_rules(
-            cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
-        )
-    if rules is not None:
-        check_layout_rules(rules, variables, mesh)
-        rules = {**rules, **tensor_parallel.output_rules(model, rules, mesh.model)}
-    if cfg.strategy.shards_over_data:
-        rules = fsdp.shard_over_data(rules, variables, mesh.data)
+    strategy = Strategy.of(cfg.strategy)
+    layout = resolve_layout(strategy, mesh, model_key)
     if cfg.plan.check_memory:
-        check_memory_fits(cfg, costs.abstract_model(cfg, data_spec, model), mesh, per_host)
+        check_memory_fits(cfg, costs.abstract_model(cfg, data_spec), mesh, per_host)
     resume_step = (
         inspect_checkpoints(cfg, variables, data_spec.fingerprint)
         if cfg.checkpoint.enabled
@@ -79,8 +63,8 @@ def preflight(cfg: RunConfig) -> Checked:
         tuple(variables),
         dataset,
         resume_step,
-        layout,
-        rules,
+        layout.derived,
+        None if strategy.replicates else layout.rules,
         count_parameters(model),
         model_flops_per_example(model, data_spec.positions_per_example),
         tuple(w for w in [costs.untraced_warning(model)] if w),
@@ -130,20 +114,21 @@ def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemo
 
 
 def _planned_bytes(cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape) -> int:
-    strategy, examples = cfg.strategy.name, cfg.trainer.micro_batch
-    return costs.memory_cost(cfg, model, strategy, mesh, examples).total_bytes
+    strategy = Strategy.of(cfg.strategy)
+    return costs.memory_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch).total_bytes
 
 
 def _ways_to_hold_less(cfg: RunConfig, mesh: MeshShape) -> Iterator[tuple[str, RunConfig]]:
     """The changes of one setting that hold less per device: remat, fsdp, more
     micro-batches, half the batch; each as its override and the config it makes."""
     trainer, strategy = cfg.trainer, cfg.strategy
+    chosen = Strategy.of(strategy)
     for mode in ("dots", "full"):
         if trainer.remat not in (mode, "full"):
             yield f"trainer.remat={mode}", replace(cfg, trainer=replace(trainer, remat=mode))
-    if strategy.name == "data_parallel" and mesh.data > 1:
+    if chosen.replicates and mesh.data > 1:
         yield "strategy=fsdp", replace(cfg, strategy=replace(strategy, name="fsdp"))
-    if strategy.name == "hybrid" and not strategy.fsdp:
+    if chosen.axes == ("data", "model") and not chosen.shards_over_data:
         yield "strategy.fsdp=true", replace(cfg, strategy=replace(strategy, fsdp=True))
     batch = trainer.global_batch
     for accumulate in (2 * trainer.accumulate, 4 * trainer.accumulate):
@@ -171,41 +156,3 @@ def check_enough_examples(trainer: TrainerConfig, data_spec: DataSpec) -> None:
             "trainer.eval_batches=-1 evaluates the whole held-out set, but this data does not "
             "say how many held-out examples it has: give a number of batches"
         )
-
-
-def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: MeshShape) -> None:
-    """Every variable rule must match a variable, fit its rank and split its dimensions
-    evenly (activation rules are left to Keras, which applies them while building)."""
-    axis_sizes = {"data": mesh.data, "model": mesh.model, None: 1}
-    rules = {p: a for p, a in rules.items() if not p.endswith(ACTIVATION_RULE_SUFFIX)}
-    listing = "\n  ".join(f"{v.path} {list(v.shape)}" for v in variables)
-    for pattern, axes in rules.items():
-        matched = [v for v in variables if re.fullmatch(pattern, v.path)]
-        if not matched:
-            raise ConfigError(
-                f"layout rule {pattern!r} matches no variable of the model (rules are "
-                f"full-match regexes on variable paths). The model's variables:\n  {listing}"
-            )
-        for variable in matched:
-            _check_split(pattern, axes, variable, axis_sizes)
-    for variable in variables:
-        hits = [p for p in rules if re.fullmatch(p, variable.path)]
-        if len(hits) > 1:
-            raise ConfigError(f"variable {variable.path} matches several layout rules: {hits}")
-
-
-def _check_split(pattern: str, axes: tuple, variable: VariableInfo, axis_sizes: dict) -> None:
-    if len(axes) != len(variable.shape):
-        raise ConfigError(
-            f"layout rule {pattern!r} gives {len(axes)} axes {axes} for {variable.path}, "
-            f"which has {len(variable.shape)} dimensions {list(variable.shape)}"
-        )
-    for dim, (size, axis) in enumerate(zip(variable.shape, axes, strict=True)):
-        if axis not in axis_sizes:
-            raise ConfigError(f"layout rule {pattern!r} names unknown mesh axis {axis!r}")
-        if size % axis_sizes[axis]:
-            raise ConfigError(
-                f"layout rule {pattern!r} splits dimension {dim} of {variable.path} "
-                f"(size {size}, shape {list(variable.shape)}) over mesh.{axis}="
-                f"{axis_sizes[axis]}, which does not divide it"
-            )

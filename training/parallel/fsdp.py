@@ -27,13 +27,6 @@ from training.parallel.dtypes import array_bytes
 DATA_AXIS = "data"
 
 
-def user_rules_only(given: dict) -> LayoutRules:
-    """strategy=fsdp's rules before the split over `data`: the user's `strategy.layout_rules`
-    only. A model's own rules are tensor-parallel ones, for a model axis fsdp does not have
-    (keras-hub's also put `data` on dimensions sized for a small data axis)."""
-    return {pattern: tuple(axes) for pattern, axes in given.items()}
-
-
 def shard_over_data(
     rules: LayoutRules, variables: Iterable[VariableInfo], data: int
 ) -> LayoutRules:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from training.config import AUTO, ConfigError, MeshConfig, RunConfig
+from training.config.strategy import MODEL_LAYOUT
 from training.contracts import LayoutRules
+from training.parallel.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -32,27 +34,24 @@ class MeshShape:
         return {"data": self.data, "model": self.model}
 
 
-# Strategies that use one mesh axis: the axis they leave at 1, why, and what hybrid adds.
-SINGLE_AXIS = {
-    "data_parallel": ("model", "replicates the model", "also split the model"),
-    "fsdp": ("model", "splits the weights over the data axis only", "also split the model"),
-    "model_parallel": ("data", "uses no data axis", "also replicate the model"),
-}
+# What a strategy that leaves out an axis could use instead: hybrid, which adds it.
+HYBRID_ADDS = {"model": "also split the model", "data": "also replicate the model"}
 
 
-def resolve_mesh(strategy: str, mesh: MeshConfig, hosts: int, devices_per_host: int) -> MeshShape:
+def resolve_mesh(
+    strategy: Strategy, mesh: MeshConfig, hosts: int, devices_per_host: int
+) -> MeshShape:
     """Fill in auto (-1) axes and check the mesh covers exactly the cluster's devices."""
     total = hosts * devices_per_host
     sizes = {"data": mesh.data, "model": mesh.model}
-    if strategy in SINGLE_AXIS:
-        axis, why, hybrid_adds = SINGLE_AXIS[strategy]
+    for axis in sizes.keys() - set(strategy.axes):
         sizes[axis] = 1 if sizes[axis] == AUTO else sizes[axis]
         if sizes[axis] != 1:
             raise ConfigError(
-                f"strategy={strategy} {why}, so mesh.{axis} must be 1 (got {sizes[axis]}); "
-                f"use strategy=hybrid to {hybrid_adds}"
+                f"strategy={strategy.name} {strategy.why_one_axis}, so mesh.{axis} must be 1 "
+                f"(got {sizes[axis]}); use strategy=hybrid to {HYBRID_ADDS[axis]}"
             )
-    elif sizes["data"] == sizes["model"] == AUTO:
+    if sizes["data"] == sizes["model"] == AUTO:
         sizes["model"] = devices_per_host  # hybrid: the model over each host, replicated across
     for axis, other in (("data", "model"), ("model", "data")):
         if sizes[axis] == AUTO:
@@ -98,11 +97,11 @@ def host_batch_rows(grid: np.ndarray, process_index: int, global_batch: int) -> 
     return slice(rows[0] * per_shard, (rows[-1] + 1) * per_shard)
 
 
-def build_distribution(strategy: str, grid: np.ndarray, layout_rules: dict):
+def build_distribution(strategy: Strategy, grid: np.ndarray, layout_rules: dict):
     """The Keras distribution; hosts feed their own rows, so Keras must not shard input."""
     from keras import distribution as kd
 
-    if strategy == "data_parallel":
+    if strategy.replicates:
         mesh = kd.DeviceMesh((grid.size,), ["data"], devices=grid.reshape(-1))
         return kd.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
     mesh = kd.DeviceMesh(grid.shape, ["data", "model"], devices=grid)
@@ -114,11 +113,12 @@ def build_distribution(strategy: str, grid: np.ndarray, layout_rules: dict):
 
 def settled(cfg: RunConfig, rules: LayoutRules) -> RunConfig:
     """The config the hosts get: settled rules (derived, weighed by precedence, fsdp's split
-    over `data` added) as the model's own and the only ones, exactly what a user who copied
-    them would run, so that no host derives or weighs anything."""
+    over `data` added) as the only ones, in `strategy.layout_rules` (the rules every strategy
+    that lays out takes, `Strategy.given_rules`) over none of the model's, so that no host
+    derives or weighs anything."""
     rules = {pattern: list(axes) for pattern, axes in rules.items()}
     return replace(
         cfg,
-        model=replace(cfg.model, layout="", layout_rules=rules),
-        strategy=replace(cfg.strategy, layout_rules={}),
+        model=replace(cfg.model, layout="", layout_rules={}),
+        strategy=replace(cfg.strategy, layout=MODEL_LAYOUT, layout_rules=rules),
     )

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 from training import keras_compat
-from training.config import AUTO_LAYOUT, RunConfig
+from training.config import RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
 from training.planning import layer_graph
@@ -93,10 +93,6 @@ def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
 
     model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
     return derive(model, mesh_model, cfg.strategy.layout_rules)
-
-
-def uses_auto_layout(cfg: RunConfig) -> bool:
-    return cfg.strategy.layout == AUTO_LAYOUT and cfg.strategy.name != "data_parallel"
 
 
 class _Chooser(Derivation):

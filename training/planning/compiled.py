@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from training.config import RunConfig
 from training.parallel.mesh import MeshShape, device_grid, settled
+from training.parallel.strategy import Strategy
 from training.planning import collectives
 
 
@@ -39,14 +40,16 @@ class Measured:
 
 def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
     """The config with the layout rules the driver settles for `mesh`, as the hosts get it."""
-    if cfg.strategy.name == "data_parallel":
+    strategy = Strategy.of(cfg.strategy)
+    if strategy.replicates:
         return cfg
     # Imported here: keras, which CompiledMemory's reader (host/loop.py) need not import.
     from training.data import build_dataset
-    from training.planning.costs import abstract_model, layout_rules
+    from training.planning.abstract import ModelKey
+    from training.planning.layout import resolve_layout
 
-    spec = build_dataset(cfg.data).spec
-    return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))
+    model = ModelKey.of(cfg, build_dataset(cfg.data).spec)
+    return settled(cfg, resolve_layout(strategy, mesh, model).rules)
 
 
 def built_as_hosts_build(cfg: RunConfig, mesh: MeshShape):

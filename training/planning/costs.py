@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 
 from training import models
-from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfig
+from training.config import AUTO, ConfigError, PlanConfig, RunConfig, StrategyConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
-from training.models.remat import rematerialised
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
-from training.parallel.fsdp import shard_over_data, user_rules_only
 from training.parallel.mesh import MeshShape
+from training.parallel.strategy import Strategy
+from training.planning.abstract import ModelKey, abstract_keras_model
 from training.planning.activations import activation_bytes
-from training.planning.auto_layout import derive
 from training.planning.collectives import Collective, gathered_weight, sent_bytes
 from training.planning.layer_graph import untraceable
-from training.planning.tensor_parallel import model_axis_collectives, output_rules
+from training.planning.layout import resolve_layout
+from training.planning.tensor_parallel import model_axis_collectives
 from training.recipe.optimizer import build_optimizer
 
 
@@ -41,6 +41,7 @@ class AbstractModel:
     # like), or None for the optimizer's own scalars.
     optimizer_variables: tuple[tuple[VariableInfo, str | None], ...]
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
+    key: ModelKey  # what its layouts are resolved for (`training.planning.layout`)
     # The abstract keras.Model itself (no weights allocated): what the model axis must
     # communicate depends on the layout rules and mesh too, so it is derived from the layer
     # graph per strategy (`training.planning.tensor_parallel`), in milliseconds.
@@ -55,17 +56,14 @@ class AbstractModel:
         return 6.0 * self.trainable_parameters * self.positions_per_example
 
 
-def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> AbstractModel:
-    """The config's model built abstractly (or `keras_model`, already so built, in the run's
-    dtype policy, with trainer.remat applied) and its optimizer's variables."""
+def abstract_model(cfg: RunConfig, data_spec: DataSpec) -> AbstractModel:
+    """The config's model built abstractly (`abstract_keras_model`) and its optimizer's
+    variables."""
+    key = ModelKey.of(cfg, data_spec)
+    model = abstract_keras_model(key)
     with models.dtype_policy(cfg.trainer.dtype_policy):
         # The optimizer's own scalars have no deferred initializer: they are made for real.
         optimizer = build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate)
-        model = keras_model
-        if model is None:
-            model = rematerialised(
-                lambda: models.abstract_model(cfg.model, data_spec), cfg.trainer.remat, data_spec
-            )
         with models.without_weights():  # the slots stay abstract: none is allocated
             optimizer.build(model.trainable_variables)
     return AbstractModel(
@@ -73,6 +71,7 @@ def abstract_model(cfg: RunConfig, data_spec: DataSpec, keras_model=None) -> Abs
         trainable=frozenset(v.path for v in model.trainable_variables),
         optimizer_variables=_shadowed(optimizer.variables, model.trainable_variables),
         positions_per_example=data_spec.positions_per_example,
+        key=key,
         keras_model=model,
     )
 
@@ -104,44 +103,24 @@ def untraced_warning(keras_model) -> str | None:
     )
 
 
-def candidate_meshes(devices: int, per_host: int) -> list[tuple[str, MeshShape]]:
+def candidates(
+    config: StrategyConfig, devices: int, per_host: int
+) -> list[tuple[Strategy, MeshShape]]:
     """Data parallel, fsdp, each hybrid whose model groups fit in a host, and model
-    parallel."""
+    parallel, each with the configured strategy's other settings (`Strategy.of`)."""
     hybrids = [
-        ("hybrid", MeshShape(devices // m, m))
+        (Strategy.of(config, "hybrid"), MeshShape(devices // m, m))
         for m in range(2, min(per_host, devices // 2) + 1)
         if devices % m == 0 and per_host % m == 0
     ]
     meshes = [
-        ("data_parallel", MeshShape(devices, 1)),
-        ("fsdp", MeshShape(devices, 1)),
+        (Strategy.of(config, "data_parallel"), MeshShape(devices, 1)),
+        (Strategy.of(config, "fsdp"), MeshShape(devices, 1)),
         *hybrids,
     ]
-    return [*meshes, ("model_parallel", MeshShape(1, devices))] if devices > 1 else meshes
-
-
-def layout_rules(
-    cfg: RunConfig, strategy: str, mesh: MeshShape, model: AbstractModel
-) -> LayoutRules:
-    """Data parallel replicates every variable; the other strategies use the model's rules,
-    or with strategy.layout=auto those derived from its structure for this mesh, with an
-    output rule for each layer they leave to XLA (`output_rules`); fsdp (or hybrid with
-    strategy.fsdp) splits the large weights over `data` too."""
-    if strategy == "data_parallel":
-        return {}
-    if strategy == "fsdp":
-        rules = user_rules_only(cfg.strategy.layout_rules)
-    elif cfg.strategy.layout == AUTO_LAYOUT:
-        rules = derive(model.keras_model, mesh.model, cfg.strategy.layout_rules).rules
-    else:
-        paths = [v.path for v in model.variables]
-        rules = models.layout_rules(
-            cfg.model, mesh.as_tuple(), cfg.strategy.layout_rules, variables=paths
-        )
-    rules = {**rules, **output_rules(model.keras_model, rules, mesh.model)}
-    if strategy == "fsdp" or (strategy == "hybrid" and cfg.strategy.fsdp):
-        rules = shard_over_data(rules, model.variables, mesh.data)
-    return rules
+    if devices == 1:
+        return meshes
+    return [*meshes, (Strategy.of(config, "model_parallel"), MeshShape(1, devices))]
 
 
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
@@ -166,8 +145,9 @@ def spans_hosts(axis: str, mesh: MeshShape, per_host: int) -> bool:
 
 @dataclass(frozen=True)
 class StrategyCost:
-    strategy: str
+    strategy: Strategy
     mesh: MeshShape
+    rules: LayoutRules  # its layout (`resolve_layout`)
     memory: MemoryCost  # per device
     # The step's collectives by the mesh axis they run over, "data" and "model"
     collectives_by_axis: dict[str, tuple[Collective, ...]]
@@ -232,10 +212,10 @@ class MemoryCost:
 
 
 def memory_cost(
-    cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
+    cfg: RunConfig, model: AbstractModel, strategy: Strategy, mesh: MeshShape, examples: int
 ) -> MemoryCost:
     """The memory per device on `mesh` of a step on `examples` examples."""
-    rules = layout_rules(cfg, strategy, mesh, model)
+    rules = resolve_layout(strategy, mesh, model.key).rules
     return _memory(cfg, model, rules, mesh, examples // mesh.data)
 
 
@@ -268,10 +248,10 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
 
 
 def strategy_cost(
-    cfg: RunConfig, model: AbstractModel, strategy: str, mesh: MeshShape, examples: int
+    cfg: RunConfig, model: AbstractModel, strategy: Strategy, mesh: MeshShape, examples: int
 ) -> StrategyCost:
     """The cost on `mesh` of one step on `examples` examples (split over the data axis)."""
-    rules = layout_rules(cfg, strategy, mesh, model)
+    rules = resolve_layout(strategy, mesh, model.key).rules
     rows = examples // mesh.data
     memory = _memory(cfg, model, rules, mesh, rows)
     value_bytes = dtype_bytes(cfg.trainer.precision)
@@ -286,6 +266,7 @@ def strategy_cost(
     return StrategyCost(
         strategy=strategy,
         mesh=mesh,
+        rules=rules,
         memory=memory,
         collectives_by_axis={
             axis: tuple(c for c in found if c.group > 1) for axis, found in by_axis.items()
@@ -335,11 +316,11 @@ def data_axis_collectives(
 
 def fitting_strategies(
     cfg: RunConfig, model: AbstractModel, devices: int, per_host: int, examples: int
-) -> list[tuple[str, MeshShape, MemoryCost]]:
+) -> list[tuple[Strategy, MeshShape, MemoryCost]]:
     """Each candidate strategy and mesh whose memory per device fits plan.device_memory_gb."""
     budget = cfg.plan.device_memory_gb * 1e9
     found = []
-    for strategy, mesh in candidate_meshes(devices, per_host):
+    for strategy, mesh in candidates(cfg.strategy, devices, per_host):
         if examples % mesh.data:
             continue
         try:
@@ -356,14 +337,15 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
     where it fits."""
     budget = cfg.plan.device_memory_gb
     examples = cfg.trainer.micro_batch
-    memory = memory_cost(cfg, model, cfg.strategy.name, mesh, examples)
+    strategy = Strategy.of(cfg.strategy)
+    memory = memory_cost(cfg, model, strategy, mesh, examples)
     if memory.total_bytes <= budget * 1e9:
         return None
     fits = fitting_strategies(cfg, model, mesh.devices, per_host, examples)
     alternatives = (
         "these fit: "
         + ", ".join(
-            f"{_named(cfg, s)} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
+            f"{s.as_overrides()} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
             for s, m, c in fits
         )
         if fits
@@ -371,7 +353,7 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
         "trainer.global_batch (or trainer.accumulate)"
     )
     return (
-        f"{_named(cfg, cfg.strategy.name)} on mesh {mesh.data}×{mesh.model} needs "
+        f"{strategy.as_overrides()} on mesh {mesh.data}×{mesh.model} needs "
         f"{readable_bytes(memory.total_bytes)} per device by the plan (weights "
         f"{readable_bytes(memory.parameter_bytes)}, optimizer state "
         f"{readable_bytes(memory.optimizer_bytes)}, gradients "
@@ -379,10 +361,3 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
         f"{readable_bytes(memory.activation_bytes)}), more than plan.device_memory_gb="
         f"{budget:g}; {alternatives}"
     )
-
-
-def _named(cfg: RunConfig, strategy: str) -> str:
-    """The overrides that select `strategy` as the plan costs it (hybrid keeps the configured
-    strategy.fsdp)."""
-    fsdp = " strategy.fsdp=true" if strategy == "hybrid" and cfg.strategy.fsdp else ""
-    return f"strategy={strategy}{fsdp}"

@@ -1,0 +1,78 @@
+"""One layout decision: preflight, `training.plan` and the hosts' build lay a model out
+alike, and the plan derives each layout once."""
+
+import collections
+
+import jax
+import keras
+import pytest
+
+from tests.conftest import run_config
+from training.build import build_on_grid, describe_variables
+from training.driver.checked import with_layout
+from training.driver.preflight import preflight
+from training.models import rule_axes
+from training.parallel.mesh import device_grid
+from training.plan import make_plan
+from training.planning import auto_layout
+
+TWO_HOSTS = ["cluster.hosts=2", "cluster.devices_per_host=4", "model=mlp"]
+
+
+def shard_shapes(rules, mesh, variables) -> dict[str, list[int]]:
+    """Each variable's shard on one device as `rules` split it."""
+    sizes = {"data": mesh.data, "model": mesh.model, None: 1}
+    shapes = {}
+    for path, described in variables.items():
+        axes = rule_axes(path, rules) or (None,) * len(described["shape"])
+        shapes[path] = [
+            size // sizes[axis] for size, axis in zip(described["shape"], axes, strict=True)
+        ]
+    return shapes
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=hybrid", "strategy.fsdp=true", "strategy.layout=auto"],
+        ["strategy=model_parallel"],  # the MLP's own rules
+    ],
+)
+def test_preflight_the_plan_and_the_hosts_build_lay_the_model_out_alike(overrides):
+    cfg = run_config([*TWO_HOSTS, *overrides])
+    checked = preflight(cfg)
+    planned = make_plan(cfg).configured
+    try:
+        model, _ = build_on_grid(
+            with_layout(cfg, checked), device_grid(jax.devices(), checked.mesh)
+        )
+        live = describe_variables(model.variables)
+    finally:
+        keras.distribution.set_distribution(None)
+    shards = {path: described["shard_shape"] for path, described in live.items()}
+    assert any(live[path]["shape"] != shard for path, shard in shards.items()), "nothing split"
+    assert shard_shapes(checked.rules, checked.mesh, live) == shards
+    assert planned.mesh == checked.mesh
+    assert shard_shapes(planned.rules, planned.mesh, live) == shards
+
+
+def test_the_plan_derives_each_layout_once(monkeypatch):
+    """strategy.layout=auto's derivation, counted over a whole plan: its candidates, the
+    speedups' meshes and the warnings ask for the same model axes again and again."""
+    derived = collections.Counter()
+    derive = auto_layout.derive
+
+    def counted(model, mesh_model, overrides=None):
+        derived[mesh_model] += 1
+        return derive(model, mesh_model, overrides)
+
+    monkeypatch.setattr(auto_layout, "derive", counted)
+    # A model of its own (d_model), so that no other test's layouts are already memoised.
+    plan = make_plan(
+        run_config(
+            [*TWO_HOSTS, "strategy=hybrid", "strategy.layout=auto", "model.kwargs.d_model=72"]
+        )
+    )
+    model_axes = {cost.mesh.model for cost in plan.alternatives if "model" in cost.strategy.axes}
+    assert model_axes <= set(derived), derived
+    assert derived == collections.Counter(set(derived)), f"derived more than once: {derived}"
