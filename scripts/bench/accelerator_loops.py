@@ -91,13 +91,18 @@ def jit_loop(cfg, steps: int) -> dict:
     """A hand-written jit step: stateless_call, the loss, its gradients, stateless_apply;
     the state donated, the batches placed on the device beforehand, the loss read every
     READ_EVERY steps."""
+    import inspect
+
     import jax
 
     model, dataset = built(cfg)
     loss_fn, optimizer = model.loss, model.optimizer
 
+    # keras-hub's CausalLM.call takes no `training` (stateless_call passes it through).
+    training = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
+
     def loss_of(trainable, non_trainable, x, y):
-        predicted, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        predicted, non_trainable = model.stateless_call(trainable, non_trainable, x, **training)
         return loss_fn(y, predicted), non_trainable
 
     def step(state, x, y):
