@@ -140,8 +140,8 @@ def built(cfg):
 
     import keras
 
-    from training.parallel.compiled import built_as_hosts_build
     from training.parallel.mesh import MeshShape
+    from training.planning.compiled import built_as_hosts_build
 
     keras.backend.clear_session()
     gc.collect()

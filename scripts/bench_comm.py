@@ -32,11 +32,11 @@ import keras  # noqa: E402
 from training.config import LAYOUTS, compose_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.models import transformer  # noqa: E402
-from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
-from training.parallel.compiled import BENCH_TRANSFORMER, measure_step  # noqa: E402
-from training.parallel.costs import abstract_model, strategy_cost  # noqa: E402
-from training.parallel.megatron import megatron_minimum  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
+from training.planning.collectives import Collective, sent_bytes  # noqa: E402
+from training.planning.compiled import BENCH_TRANSFORMER, measure_step  # noqa: E402
+from training.planning.costs import abstract_model, strategy_cost  # noqa: E402
+from training.planning.megatron import megatron_minimum  # noqa: E402
 
 # A small transformer: every strategy compiles in well under a minute.
 SMALL = [

@@ -54,22 +54,22 @@ from training.build import build_on_grid  # noqa: E402
 from training.config import ConfigError, compose_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 from training.models import rule_axes  # noqa: E402
-from training.parallel.collectives import Collective, sent_bytes  # noqa: E402
-from training.parallel.compiled import (  # noqa: E402
+from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
+from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
+from training.planning.collectives import Collective, sent_bytes  # noqa: E402
+from training.planning.compiled import (  # noqa: E402
     as_hosts_get_it,
     built_as_hosts_build,
     compiled_train_step,
     held_bytes,
     measure_step,
 )
-from training.parallel.costs import (  # noqa: E402
+from training.planning.costs import (  # noqa: E402
     abstract_model,
     layout_rules,
     memory_cost,
     split_ways,
 )
-from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
-from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
 
 ONE_HOST = ["cluster.hosts=1", "cluster.devices_per_host=8"]
 TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]

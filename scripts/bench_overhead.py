@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 
 from training.config import compose_run_config  # noqa: E402
 from training.events import StepLogged  # noqa: E402
-from training.parallel.compiled import BENCH_TRANSFORMER  # noqa: E402
+from training.planning.compiled import BENCH_TRANSFORMER  # noqa: E402
 
 SYSTEM = [
     "strategy=hybrid",

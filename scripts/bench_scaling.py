@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from training.parallel.compiled import BENCH_TRANSFORMER
+from training.planning.compiled import BENCH_TRANSFORMER
 
 DEVICES = (1, 2, 4, 8)
 REFERENCE_SPEEDUP = {1: 1.0, 2: 2.0, 4: 3.8, 8: 7.3}

@@ -40,7 +40,7 @@ JAX_PLATFORMS=cpu python - "$OUT/run/summary.json" "${RUN[@]}" <<'PY'
 import json, os, sys
 
 from training.config import compose_run_config
-from training.parallel.costs import abstract_model
+from training.planning.costs import abstract_model
 from training.data import build_dataset
 
 # Dense bf16 peak TFLOP/s by GPU name (NVIDIA data sheets, SXM parts); PEAK_TFLOPS overrides.

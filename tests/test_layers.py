@@ -1,5 +1,6 @@
 """Imports point down the layers: the driver above the host runtime, both above the
-analysis (`training.parallel`), which is above models and data; the records every layer
+analysis (`training.planning`), which is above the build and what the hosts run
+(`training.parallel`), above models and data; the records every layer
 shares (config, contracts, events) import none of them. Keras' internals are reached from one
 module, `training.keras_compat`, at the bottom."""
 
@@ -21,12 +22,40 @@ CLIS = (
 # A module (or package) → the modules it must never import, at any depth in its code.
 FORBIDDEN = {
     "training.host": ("training.driver",),
-    "training.parallel": ("training.host", "training.driver"),
-    "training.build": ("training.host", "training.driver"),
-    "training.checkpoint": ("training.host", "training.driver", "training.parallel"),
-    "training.recipe": ("training.parallel", "training.host", "training.driver"),
-    "training.models": ("training.recipe", "training.parallel", "training.host", "training.driver"),
-    "training.data": ("training.models", "training.parallel", "training.host", "training.driver"),
+    "training.planning": ("training.host", "training.driver"),
+    "training.build": ("training.planning", "training.host", "training.driver"),
+    "training.parallel": (
+        "training.build",
+        "training.planning",
+        "training.host",
+        "training.driver",
+    ),
+    "training.checkpoint": (
+        "training.host",
+        "training.driver",
+        "training.parallel",
+        "training.planning",
+    ),
+    "training.recipe": (
+        "training.parallel",
+        "training.planning",
+        "training.host",
+        "training.driver",
+    ),
+    "training.models": (
+        "training.recipe",
+        "training.parallel",
+        "training.planning",
+        "training.host",
+        "training.driver",
+    ),
+    "training.data": (
+        "training.models",
+        "training.parallel",
+        "training.planning",
+        "training.host",
+        "training.driver",
+    ),
     "training.events": ("training.host", "training.driver"),
     "training.contracts": ("training.models", "training.data", "training.host", "training.driver"),
     "training.config": ("training.models", "training.data", "training.host", "training.driver"),
@@ -103,15 +132,15 @@ def test_every_layer_named_exists():
 
 
 def test_a_wrong_way_import_is_caught():
-    assert wrong_way("training.models.mlp", {"training.parallel.collectives"}) == [
-        "training.parallel.collectives"
+    assert wrong_way("training.models.mlp", {"training.planning.collectives"}) == [
+        "training.planning.collectives"
     ]
     assert wrong_way("training.driver.display", {"training.host.phases"}) == [
         "training.host.phases"
     ]
     assert wrong_way("training.driver.supervisor", {"training.host.actor"}) == []
-    assert wrong_way("training.parallel.costs", {"training.plan"}) == ["training.plan"]
-    assert wrong_way("training.plan", {"training.parallel.costs"}) == []
+    assert wrong_way("training.planning.costs", {"training.plan"}) == ["training.plan"]
+    assert wrong_way("training.plan", {"training.planning.costs"}) == []
 
 
 KERAS_COMPAT = PACKAGE / "keras_compat.py"

@@ -26,8 +26,10 @@ from training.driver.display import print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.models.remat import cpu_xla_flags  # noqa: E402
-from training.parallel.auto_layout import AutoLayout  # noqa: E402
-from training.parallel.costs import (  # noqa: E402
+from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
+from training.parallel.mesh import MeshShape  # noqa: E402
+from training.planning.auto_layout import AutoLayout  # noqa: E402
+from training.planning.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
     abstract_model,
@@ -37,8 +39,6 @@ from training.parallel.costs import (  # noqa: E402
     split_ways,
     strategy_cost,
 )
-from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
-from training.parallel.mesh import MeshShape  # noqa: E402
 
 SPEEDUP_DEVICES = (1, 2, 4, 8)
 GB = 1e9
@@ -237,7 +237,7 @@ def compiled_host_step(cfg: RunConfig, mesh: MeshShape):
     """What the step the hosts run (`training.host.loop.CompiledStep`) holds per device,
     compiled on this process's devices for the configured layout."""
     from training.host.loop import CompiledStep, batch_shardings, place
-    from training.parallel.compiled import built_as_hosts_build
+    from training.planning.compiled import built_as_hosts_build
 
     model, dataset = built_as_hosts_build(cfg, mesh)
     rows = cfg.trainer.micro_batch

@@ -20,8 +20,8 @@ from training.checkpoint.inspection import inspect_checkpoints, restart_step, sa
 from training.config import CheckpointConfig, ConfigError
 from training.driver.preflight import preflight
 from training.host.checkpoints import HostCheckpoints
-from training.parallel.compiled import held_bytes
 from training.parallel.mesh import MeshShape, device_grid
+from training.planning.compiled import held_bytes
 
 HYBRID = ["strategy=hybrid", "mesh.data=2", "mesh.model=4"]
 

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tests.models.test_transformer import TINY, train_in_process
 from training.models.attention import causal_attention, choose
 from training.models.transformer import CausalSelfAttention
-from training.parallel import collectives
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
+from training.planning import collectives
 
 BF16, F32 = "bfloat16", "float32"
 

@@ -219,7 +219,7 @@ LLAMA_PLAN = ("model=hub", "data=text", "model.seq_len=32")
 
 
 def llama_plan_and_step(layout: str):
-    from tests.parallel.test_plan import plan_and_step
+    from tests.planning.test_plan import plan_and_step
     from training.parallel.mesh import MeshShape
 
     return plan_and_step("hybrid", MeshShape(2, 4), (*LLAMA_PLAN, f"strategy.layout={layout}"))
@@ -227,7 +227,7 @@ def llama_plan_and_step(layout: str):
 
 def model_axis_bytes(found) -> float:
     """Bytes sent in the collectives over the model axis (groups of 4; the data axis's are 2)."""
-    from training.parallel.collectives import sent_bytes
+    from training.planning.collectives import sent_bytes
 
     return sent_bytes([c for c in found if c.group == 4])
 

@@ -16,8 +16,8 @@ from training.build import build_on_grid
 from training.config import ConfigError
 from training.contracts import ArraySpec, DataSpec
 from training.models.remat import rematerialised
-from training.parallel.compiled import compiled_train_step
 from training.parallel.mesh import MeshShape, device_grid
+from training.planning.compiled import compiled_train_step
 
 # 4 blocks of attention over 64 positions: the scores each block keeps dominate the step.
 DEEPER = (*TINY, "model.kwargs.layers=4", "model.seq_len=64")

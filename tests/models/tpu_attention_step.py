@@ -14,8 +14,8 @@ import jax  # noqa: E402
 
 from training.build import build_on_grid  # noqa: E402
 from training.config import compose_run_config  # noqa: E402
-from training.parallel.compiled import compiled_train_step  # noqa: E402
 from training.parallel.mesh import MeshShape, device_grid  # noqa: E402
+from training.planning.compiled import compiled_train_step  # noqa: E402
 
 BATCH, HEADS, SEQ = 4, 4, 1024
 OVERRIDES = [

@@ -11,7 +11,7 @@ from training.config.common import AUTO, require, require_size_or_auto
 
 STRATEGIES = ("data_parallel", "fsdp", "model_parallel", "hybrid")
 # strategy.layout: the model's own rules, or rules derived from its structure
-# (training.parallel.auto_layout).
+# (training.planning.auto_layout).
 MODEL_LAYOUT = "model"
 AUTO_LAYOUT = "auto"
 LAYOUTS = (MODEL_LAYOUT, AUTO_LAYOUT)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
-from training.parallel import auto_layout
 from training.parallel.mesh import MeshShape, resolve_mesh, settled
+from training.planning import auto_layout
 
 
 @dataclass(frozen=True)

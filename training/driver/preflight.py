@@ -18,9 +18,10 @@ from training.driver.checked import Checked, check_sizes
 from training.events import OutOfDeviceMemory
 from training.models.flops import model_flops_per_example
 from training.models.remat import rematerialised
-from training.parallel import auto_layout, costs, fsdp, tensor_parallel
+from training.parallel import fsdp
 from training.parallel.dtypes import readable_bytes
 from training.parallel.mesh import MeshShape
+from training.planning import auto_layout, costs, tensor_parallel
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 from training.recipe.optimizer import check_updates_weights_of

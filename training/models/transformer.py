@@ -8,7 +8,7 @@ Splitting: the fused query/key/value kernel by heads and the MLP's up kernel by 
 device computes whole heads and its slice of the hidden activation; the attention output and MLP
 down kernels by rows, so each block needs one all-reduce after attention and one after the MLP
 (and, backward, one for each of their inputs' gradients: the Megatron minimum, counted in
-`training.parallel.megatron`). The embeddings and the head split along the vocabulary, the
+`training.planning.megatron`). The embeddings and the head split along the vocabulary, the
 positions along the hidden dimension. Norms and the biases added after an all-reduce stay
 replicated: they are vectors of d_model values.
 """

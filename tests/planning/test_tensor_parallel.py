@@ -11,10 +11,10 @@ import pytest
 
 from training.models import mlp as mlp_module
 from training.models import transformer as transformer_module
-from training.parallel import collectives
-from training.parallel.compiled import train_step_hlo
-from training.parallel.megatron import megatron_minimum
-from training.parallel.tensor_parallel import model_axis_collectives
+from training.planning import collectives
+from training.planning.compiled import train_step_hlo
+from training.planning.megatron import megatron_minimum
+from training.planning.tensor_parallel import model_axis_collectives
 
 # -- the built-in models, and models of other shapes -------------------------------------------
 

@@ -1,11 +1,11 @@
 """What a training step holds besides its state, per device, derived from the model's layer
-graph as `training.parallel.tensor_parallel` follows it (with each activation's split over the
+graph as `training.planning.tensor_parallel` follows it (with each activation's split over the
 model axis):
 
 - the activations the backward pass keeps: the output of every contraction (a Dense,
   EinsumDense or Embedding, an einsum or matmul of activations, attention), of every other
   layer with weights (a norm) and of every softmax. Elementwise results are not counted,
-  though XLA keeps some (GELU's, a norm's): `training.parallel.costs` says how the plan
+  though XLA keeps some (GELU's, a norm's): `training.planning.costs` says how the plan
   stands in for them without remat;
 - under `trainer.remat`, a rematerialised layer keeps its inputs (what `jax.checkpoint`
   saves); what it makes inside is made again while its backward pass runs, all of it live at
@@ -49,8 +49,8 @@ from itertools import accumulate
 
 from training import keras_compat
 from training.models.remat import keeps_projections
-from training.parallel import layer_graph
-from training.parallel.tensor_parallel import PARTIAL, REPLICATED, Derivation, Rules
+from training.planning import layer_graph
+from training.planning.tensor_parallel import PARTIAL, REPLICATED, Derivation, Rules
 
 BACKWARD_WORKSPACE = 2  # gradients of the largest kept tensor's size live at once
 

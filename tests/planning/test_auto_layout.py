@@ -18,7 +18,7 @@ from rich.console import Console
 from tests.conftest import run_config
 from tests.models.test_own_model import EXAMPLES
 from tests.models.test_transformer import TINY as TINY_TEXT
-from tests.parallel.test_tensor_parallel import (
+from tests.planning.test_tensor_parallel import (
     BENCH,
     MLP_RULES,
     TRANSFORMER_RULES,
@@ -33,12 +33,12 @@ from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.data import build_dataset
 from training.driver.display import print_layout
-from training.parallel import collectives
-from training.parallel.auto_layout import REPLICATED_BELOW, derive, derive_for_config
-from training.parallel.compiled import measure_step
-from training.parallel.costs import abstract_model, strategy_cost
 from training.parallel.mesh import MeshShape
-from training.parallel.tensor_parallel import model_axis_collectives
+from training.planning import collectives
+from training.planning.auto_layout import REPLICATED_BELOW, derive, derive_for_config
+from training.planning.compiled import measure_step
+from training.planning.costs import abstract_model, strategy_cost
+from training.planning.tensor_parallel import model_axis_collectives
 
 N = 4  # the model axis of a (2, 4) mesh
 
@@ -137,8 +137,8 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
             ]
         )
         from training.build import build_on_grid
-        from training.parallel.auto_layout import derive_for_config
         from training.parallel.mesh import device_grid, settled
+        from training.planning.auto_layout import derive_for_config
 
         mesh = MeshShape(2, 4)
         cfg = settled(cfg, derive_for_config(cfg, mesh.model).rules)

@@ -5,7 +5,7 @@ does not import the cost model."""
 
 from __future__ import annotations
 
-from training.parallel.collectives import Collective
+from training.planning.collectives import Collective
 
 
 def megatron_minimum(

@@ -54,9 +54,9 @@ import string
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX
 from training.models import rule_axes
-from training.parallel import layer_graph
-from training.parallel.collectives import Collective, gathered_weight
 from training.parallel.dtypes import array_bytes
+from training.planning import layer_graph
+from training.planning.collectives import Collective, gathered_weight
 
 Rules = dict[str, tuple[str | None, ...]]
 REPLICATED = None
@@ -115,7 +115,7 @@ def _split_dim(axes: tuple[str | None, ...]):
 class Derivation:
     """The walk of a layer graph that counts the collectives, as the module describes. The
     layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`: an
-    automatic layout (`training.parallel.auto_layout`) overrides them to choose the layout
+    automatic layout (`training.planning.auto_layout`) overrides them to choose the layout
     as it walks. Each output's state is recorded by `set_output`, and for the layers of
     `layer_paths` the output rules that would hold it (`found_output_rules`)."""
 

@@ -1,7 +1,7 @@
 """`strategy.layout=auto`: layout rules derived from the built model's structure.
 
 The model (abstract: shapes, no weights) is walked along its layer graph as
-`training.parallel.tensor_parallel` follows it, keeping each activation's state on the model
+`training.planning.tensor_parallel` follows it, keeping each activation's state on the model
 axis, and each weight's layout is chosen when the walk first reaches it:
 
 - a projection (Dense, EinsumDense, attention's projections, a reversed embedding) whose input
@@ -34,8 +34,8 @@ from training import keras_compat
 from training.config import AUTO_LAYOUT, RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES
-from training.parallel import layer_graph
-from training.parallel.tensor_parallel import Derivation
+from training.planning import layer_graph
+from training.planning.tensor_parallel import Derivation
 
 # Weights of fewer elements stay whole: the float32 size below which the plan does not warn
 # about a replicated variable.
@@ -100,7 +100,7 @@ def uses_auto_layout(cfg: RunConfig) -> bool:
 
 
 class _Chooser(Derivation):
-    """The derivation of `training.parallel.tensor_parallel`, choosing each weight's layout on first
+    """The derivation of `training.planning.tensor_parallel`, choosing each weight's layout on first
     sight instead of reading it from the rules (which start as the user's overrides)."""
 
     def __init__(self, model, overrides: LayoutRules, n: int):

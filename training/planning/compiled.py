@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from training import step
 from training.config import RunConfig
-from training.parallel import collectives
 from training.parallel.mesh import MeshShape, device_grid, settled
+from training.planning import collectives
 from training.step import CompiledMemory
 
 # The benchmarks' model: a small transformer that compiles and steps quickly on CPU devices
@@ -54,7 +54,7 @@ def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
         return cfg
     # Imported here: keras, which the benchmarks' constants above need not import.
     from training.data import build_dataset
-    from training.parallel.costs import abstract_model, layout_rules
+    from training.planning.costs import abstract_model, layout_rules
 
     spec = build_dataset(cfg.data).spec
     return settled(cfg, layout_rules(cfg, cfg.strategy.name, mesh, abstract_model(cfg, spec)))

@@ -11,10 +11,10 @@ import pytest
 from tests.conftest import run_config
 from training.config import ConfigError
 from training.data import build_dataset
-from training.parallel.compiled import measure_step
-from training.parallel.costs import abstract_model, strategy_cost
 from training.parallel.mesh import MeshShape
 from training.plan import make_plan
+from training.planning.compiled import measure_step
+from training.planning.costs import abstract_model, strategy_cost
 
 # The transformer's configurations are the memory cases' (MEMORY, below): one compiled step
 # (plan_and_step's cache) serves both tests.
@@ -301,8 +301,8 @@ def test_planned_memory_matches_the_compiled_step(case):
 def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():
     """The backward pass starts a weight's gradient at its last use: a tied embedding's at the
     output head, so it is live while every block is recomputed, not only at the input."""
-    from training.parallel.activations import activation_bytes
-    from training.parallel.costs import layout_rules
+    from training.planning.activations import activation_bytes
+    from training.planning.costs import layout_rules
 
     cfg = run_config([*TRANSFORMER, "model.kwargs.tie_embeddings=true", "trainer.remat=full"])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)

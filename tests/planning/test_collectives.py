@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from training.parallel.collectives import Collective, from_hlo
 from training.parallel.dtypes import array_bytes, dtype_bytes, hlo_dtype_bytes
+from training.planning.collectives import Collective, from_hlo
 
 
 @pytest.mark.parametrize(

@@ -20,14 +20,14 @@ from training.config import AUTO, AUTO_LAYOUT, ConfigError, PlanConfig, RunConfi
 from training.contracts import DataSpec, LayoutRules, VariableInfo
 from training.models import rule_axes
 from training.models.remat import rematerialised
-from training.parallel.activations import activation_bytes
-from training.parallel.auto_layout import derive
-from training.parallel.collectives import Collective, gathered_weight, sent_bytes
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.fsdp import shard_over_data, user_rules_only
-from training.parallel.layer_graph import untraceable
 from training.parallel.mesh import MeshShape
-from training.parallel.tensor_parallel import model_axis_collectives, output_rules
+from training.planning.activations import activation_bytes
+from training.planning.auto_layout import derive
+from training.planning.collectives import Collective, gathered_weight, sent_bytes
+from training.planning.layer_graph import untraceable
+from training.planning.tensor_parallel import model_axis_collectives, output_rules
 from training.recipe.optimizer import build_optimizer
 
 
@@ -43,7 +43,7 @@ class AbstractModel:
     positions_per_example: int  # tokens of a sequence, 1 for a feature vector
     # The abstract keras.Model itself (no weights allocated): what the model axis must
     # communicate depends on the layout rules and mesh too, so it is derived from the layer
-    # graph per strategy (`training.parallel.tensor_parallel`), in milliseconds.
+    # graph per strategy (`training.planning.tensor_parallel`), in milliseconds.
     keras_model: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -216,7 +216,7 @@ class MemoryCost:
     parameter_bytes: int
     optimizer_bytes: int
     gradient_bytes: int
-    activation_bytes: int  # at the backward pass's peak (`training.parallel.activations`)
+    activation_bytes: int  # at the backward pass's peak (`training.planning.activations`)
 
     @property
     def state_bytes(self) -> int:
@@ -255,7 +255,7 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
         # The peak is where the backward pass starts, every activation kept. The walk leaves
         # out elementwise results XLA keeps there (GELU's, a norm's: 5.8 MB of the built-in
         # transformer's 13.9 under data parallel), about what the gradients add: counting
-        # both whole is within 10 % of XLA's peak (tests/parallel/test_plan.py).
+        # both whole is within 10 % of XLA's peak (tests/planning/test_plan.py).
         live_activations, live_gradients = activations.peak, all_made
     return MemoryCost(
         parameter_bytes=sum(per_device(v, v.path) for v in model.variables),
