@@ -22,6 +22,8 @@ CLIS = (
 # A module (or package) → the modules it must never import, at any depth in its code.
 FORBIDDEN = {
     "training.host": ("training.driver",),
+    # The step the hosts run and the planner compiles: below both.
+    "training.step": ("training.planning", "training.host", "training.driver", "training.build"),
     "training.planning": ("training.host", "training.driver"),
     "training.build": ("training.planning", "training.host", "training.driver"),
     "training.parallel": (

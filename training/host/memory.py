@@ -14,10 +14,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from training.events import OutOfDeviceMemory
+from training.events import OUT_OF_MEMORY, OutOfDeviceMemory
 
-# How XLA and the TPU/GPU runtimes say a device ran out of memory.
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 # "... required for HLO temporaries (16.00G) exceeds available HBM (15.75G)", "Used 19.3G of
 # 15.48G hbm": the figures a TPU's refusal gives, in GiB.
 TPU_FIGURES = re.compile(

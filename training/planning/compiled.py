@@ -6,10 +6,12 @@ build's variables hold (`measure_step`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from training import step
-from training.config import RunConfig
+from training.config import ConfigError, RunConfig
+from training.models.remat import cpu_xla_flags
 from training.parallel.mesh import MeshShape, device_grid, settled
 from training.planning import collectives
 from training.step import CompiledMemory
@@ -71,16 +73,24 @@ def built_as_hosts_build(cfg: RunConfig, mesh: MeshShape):
 def compile_ahead_of_time(cfg: RunConfig, mesh: MeshShape) -> Compiled:
     """The hosts' step for `mesh` compiled on this process's first devices from abstract
     state: the model built as the hosts build it but without weights, so that a model whose
-    weights do not fit this machine compiles as quickly as a small one."""
+    weights do not fit this machine compiles as quickly as a small one. Keras' distribution
+    and dtype policy are left as they were."""
+    import keras
+
     from training import keras_compat, models
     from training.build import build_on_grid
 
     settled = as_hosts_get_it(cfg, mesh)
+    distribution, policy = keras.distribution.distribution(), keras.config.dtype_policy()
     # Fresh layer names, so that the variables' paths are a host's (the rules match them).
     keras_compat.reset_layer_names()
-    with models.without_weights():
-        model, dataset = build_on_grid(settled, _grid(mesh))
-    return _compiled(model, dataset, cfg, mesh)
+    try:
+        with models.without_weights():
+            model, dataset = build_on_grid(settled, _grid(mesh))
+        return _compiled(model, dataset, cfg, mesh)
+    finally:
+        keras.distribution.set_distribution(distribution)
+        keras.config.set_dtype_policy(policy)
 
 
 def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
@@ -110,7 +120,33 @@ def _compiled(model, dataset, cfg: RunConfig, mesh: MeshShape) -> Compiled:
 def _grid(mesh: MeshShape):
     import jax
 
-    return device_grid(jax.devices()[: mesh.devices], mesh)
+    devices = jax.devices()
+    if len(devices) < mesh.devices:
+        raise ConfigError(
+            f"compiling the step for mesh {mesh.data}×{mesh.model} needs {mesh.devices} devices; "
+            f"this process's JAX holds {len(devices)} {devices[0].platform} device(s) (started "
+            "before the plan with other settings: run it in a fresh process)"
+        )
+    return device_grid(devices[: mesh.devices], mesh)
+
+
+ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
+
+
+def compile_where_the_run_would(cfg: RunConfig) -> None:
+    """Compile on this machine's accelerator where the run's hosts would use it (a local or
+    in-process run on TPU or GPU), else on one simulated CPU device per device of the
+    cluster. Set before JAX first touches a device."""
+    import jax
+
+    on_this_machine = cfg.cluster.name in ("local", "inprocess")
+    if on_this_machine and cfg.cluster.platform in ACCELERATORS:
+        jax.config.update("jax_platforms", ACCELERATORS[cfg.cluster.platform])
+        return
+    devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
 
 
 def train_step_hlo(model, x, y) -> str:
