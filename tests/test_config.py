@@ -129,3 +129,15 @@ def test_a_build_functions_arguments_are_given_as_the_readme_writes_them(given):
     assert own.model.kwargs == {"hidden": 512}
     builtin = compose_run_config([given])  # the MLP's other sizes stay as they were
     assert builtin.model.kwargs["hidden"] == 512 and builtin.model.kwargs["d_model"] == 64
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("mesh.data=2", "strategy=auto picks the mesh as well: drop mesh.data and mesh.model"),
+        ("strategy.fsdp=true", "strategy=auto tries strategy=fsdp itself"),
+    ],
+)
+def test_strategy_auto_leaves_the_mesh_and_fsdp_to_its_choice(override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_config(["strategy=auto", override])

@@ -12,6 +12,7 @@ or saving. It beats every BEAT_SECONDS with its phase; the driver bounds each ph
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,11 @@ class HostOutput:
 
 
 Event = Beat | Ready | Compiled | StepLogged | HostWarning | HostOutput
+
+
+# How XLA and the TPU/GPU runtimes say a device ran out of memory (a compile the chip
+# refuses, an allocation at run time).
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
 
 class OutOfDeviceMemory(RuntimeError):

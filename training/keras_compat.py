@@ -194,7 +194,8 @@ def variables_left_uninitialized():
 def values_made_abstract():
     """While inside (process-wide), a variable created from a value is created as from an
     initializer returning it, which a stateless scope leaves abstract like any other; Keras
-    refuses a variable made from a value there."""
+    refuses a variable made from a value there. Every variable created gets its layout under
+    the distribution set, which Keras would give it only as it initialized it."""
     import jax
     import numpy as np
     from keras.src.backend.common.variables import Variable
@@ -209,12 +210,28 @@ def values_made_abstract():
             dtype = dtype or jax.dtypes.canonicalize_dtype(np.result_type(value))
             initializer = lambda shape, dtype=None: value  # noqa: E731
         original(self, initializer, shape, dtype, *args, **kwargs)
+        # Its layout under the distribution set, as Keras gives a variable it initializes:
+        # an optimizer's slots take their parameter's, and the step compiled from abstract
+        # state reads it (`variable_sharding`).
+        if self._layout is None:
+            self._initialize_layout()
 
     Variable.__init__ = init
     try:
         yield
     finally:
         Variable.__init__ = original
+
+
+def variable_sharding(variable):
+    """The sharding of a variable's value: its live array's, or for a variable left abstract
+    the one its layout gives it (None without a distribution)."""
+    from keras.src.distribution import TensorLayout
+
+    if variable._value is not None:
+        return variable.value.sharding
+    layout = variable._layout
+    return layout.backend_layout if isinstance(layout, TensorLayout) else layout
 
 
 @dataclass(frozen=True)

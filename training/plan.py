@@ -6,7 +6,12 @@ allows: per-device parameter, optimizer and activation memory and the bytes each
 sends per step; then, for the configured strategy, a predicted speedup on 1 to 8 devices
 from the bandwidth/latency model in the `plan` config section (`plan.inter_host_gb_per_s=12`:
 each collective costed on the link its group uses, NVLink inside a host or the network
-between hosts), and warnings about choices that waste devices.
+between hosts), and warnings about choices that waste devices. Those figures are the
+analytic estimate, which answers without compiling. With plan.compile (the default) the
+configured strategy's step, the one the hosts run, is also compiled ahead of time from
+abstract state, and its memory and collectives are printed beside the estimate; the memory
+warning uses them. With strategy=auto it first shows the candidates it compiled and its
+choice (training/planning/auto.py), then plans that choice.
 """
 
 from __future__ import annotations
@@ -22,14 +27,19 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
-from training.driver.display import print_layout, print_warnings  # noqa: E402
+from training.driver.display import print_choice, print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
-from training.models.remat import cpu_xla_flags  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 from training.parallel.strategy import Strategy  # noqa: E402
+from training.planning.auto import choose, is_auto  # noqa: E402
 from training.planning.auto_layout import AutoLayout  # noqa: E402
+from training.planning.compiled import (  # noqa: E402
+    Compiled,
+    compile_ahead_of_time,
+    compile_where_the_run_would,
+)
 from training.planning.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
@@ -51,17 +61,28 @@ class LaunchPlan:
     speedups: dict[int, float]
     warnings: list[str]
     layout: AutoLayout | None = None  # strategy.layout=auto's rules for the configured mesh
+    compiled: Compiled | None = None  # the configured step as XLA compiles it
 
 
-def make_plan(cfg: RunConfig) -> LaunchPlan:
+def check_cluster_size_given(cfg: RunConfig) -> None:
     for key in ("hosts", "devices_per_host"):
         if getattr(cfg.cluster, key) == AUTO:
             raise ConfigError(
                 f"cluster.{key} is read from the running cluster; give it for a plan "
                 f"(cluster.{key}=N)"
             )
+
+
+def make_plan(
+    cfg: RunConfig, compile: bool = False, compiled: Compiled | None = None
+) -> LaunchPlan:
+    """The plan of `cfg`: every candidate estimated; the configured one also compiled ahead of
+    time with `compile` (or its `compiled` figures given, where they were already)."""
+    check_cluster_size_given(cfg)
     # The plan reports a strategy that does not fit rather than refusing it, as a run does.
     checked = preflight(replace(cfg, plan=replace(cfg.plan, check_memory=False)))
+    if compile and compiled is None:
+        compiled = compile_ahead_of_time(cfg, checked.mesh)
     model = abstract_model(cfg, checked.data_spec)
     examples = cfg.trainer.micro_batch
     configured = strategy_cost(cfg, model, Strategy.of(cfg.strategy), checked.mesh, examples)
@@ -77,8 +98,9 @@ def make_plan(cfg: RunConfig) -> LaunchPlan:
         configured,
         alternatives,
         predicted_speedups(cfg, model, configured),
-        [*checked.warnings, *launch_warnings(cfg, model, configured)],
+        [*checked.warnings, *launch_warnings(cfg, model, configured, compiled)],
         checked.layout,
+        compiled,
     )
 
 
@@ -101,7 +123,9 @@ def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost)
     return speedups
 
 
-def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) -> list[str]:
+def launch_warnings(
+    cfg: RunConfig, model: AbstractModel, cost: StrategyCost, compiled: Compiled | None
+) -> list[str]:
     found = []
     hardware = cfg.plan
     if cost.mesh.model > 1:
@@ -132,7 +156,9 @@ def launch_warnings(cfg: RunConfig, model: AbstractModel, cost: StrategyCost) ->
             f"plan.min_examples_per_device={hardware.min_examples_per_device}: devices will "
             "mostly wait; raise trainer.global_batch or use fewer devices"
         )
-    why = over_budget(cfg, model, cost.mesh, cost.devices_per_host)
+    why = over_budget(
+        cfg, model, cost.mesh, cost.devices_per_host, compiled.memory if compiled else None
+    )
     if why:
         found.append(why)
     return found
@@ -166,7 +192,8 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         table.add_column(column, justify="right", no_wrap=True)
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
-        over = cost.memory_bytes > cfg.plan.device_memory_gb * GB
+        needed = plan.compiled.memory.needed if chosen and plan.compiled else cost.memory_bytes
+        over = needed > cfg.plan.device_memory_gb * GB
         table.add_row(
             f"{cost.strategy.label}{' *' if chosen else ''}{' !' if over else ''}",
             f"{cost.mesh.data}×{cost.mesh.model}",
@@ -181,7 +208,9 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         )
     console.print(table)
     console.print(
-        "* configured; ! over plan.device_memory_gb. mesh: data×model; optim: the optimizer's "
+        "estimated by the analytic plan, without compiling. * configured; ! over "
+        "plan.device_memory_gb (the configured one's by its compiled step, where compiled). "
+        "mesh: data×model; optim: the optimizer's "
         "state; grads: the gradients the step makes (and, over a data axis, their reduction's "
         "output); activ: the activations the backward pass keeps for a data shard's batch, and "
         "its workspace; sent: bytes each device sends in the step's collectives (ops) over ring "
@@ -201,84 +230,66 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
 
 
 def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
-    """The hosts' own step compiled on this process's devices (the machine's accelerator
-    where the run has it, else simulated CPU devices): what XLA says each holds, beside the
-    plan's figures."""
+    """The configured strategy's figures as XLA compiled the hosts' step (on this machine's
+    accelerator where the run has it, else on simulated CPU devices), beside the estimate."""
     import jax
 
-    configured = plan.configured
-    measured = compiled_host_step(cfg, configured.mesh)
+    configured, compiled = plan.configured, plan.compiled
     memory = configured.memory
     where = f"{configured.mesh.devices} {jax.devices()[0].device_kind} device(s)"
     table = Table(
-        title=f"compiled on {where}, per device",
+        title=f"{configured.strategy} compiled on {where}, per device",
         title_justify="left",
         box=None,
         pad_edge=False,
     )
-    for column in ("", "plan", "compiled", "plan ÷ compiled"):
+    for column in ("", "compiled", "estimated", "estimated ÷ compiled"):
         table.add_column(column, justify="right" if column else "left", no_wrap=True)
-    for what, predicted, compiled in (
-        ("state (weights, optimizer)", memory.state_bytes, measured.arguments),
-        ("temporaries (gradients, activations)", memory.temporary_bytes, measured.temporaries),
-        ("peak", memory.total_bytes, measured.peak),
+    for what, figure, estimate in (
+        ("state (weights, optimizer)", compiled.memory.arguments, memory.state_bytes),
+        (
+            "temporaries (gradients, activations)",
+            compiled.memory.temporaries,
+            memory.temporary_bytes,
+        ),
+        ("peak", compiled.memory.peak, memory.total_bytes),
+        ("needed (peak, outputs, next batch)", compiled.memory.needed, None),
+        ("sent", compiled.sent_bytes, configured.sent_bytes),
     ):
-        ratio = f"{predicted / compiled:.2f}" if compiled else "-"
-        table.add_row(what, readable_bytes(predicted), readable_bytes(compiled), ratio)
+        estimated = readable_bytes(estimate) if estimate is not None else "-"
+        ratio = f"{estimate / figure:.2f}" if estimate is not None and figure else "-"
+        table.add_row(what, readable_bytes(figure), estimated, ratio)
     console.print(table)
     console.print(
-        "compiled: XLA's memory_analysis() of the hosts' step: its arguments (the state, the "
-        "metrics and the batch) and the temporaries it allocates"
+        "compiled: XLA's memory_analysis() of the hosts' step compiled ahead of time from "
+        "abstract state (its arguments: the state, the metrics and the batch; the temporaries "
+        "it allocates), and the bytes its collectives send; the run's memory check uses "
+        "`needed`. plan.compile=false skips the compile (a large model's takes a minute on a "
+        "TPU)"
     )
-
-
-def compiled_host_step(cfg: RunConfig, mesh: MeshShape):
-    """What the step the hosts run (`training.host.loop.CompiledStep`) holds per device,
-    compiled on this process's devices for the configured layout."""
-    from training.host.loop import CompiledStep, batch_shardings, place
-    from training.planning.compiled import built_as_hosts_build
-
-    model, dataset = built_as_hosts_build(cfg, mesh)
-    rows = cfg.trainer.micro_batch
-    batch = dataset.batch("train", 0, rows, slice(0, rows))
-    step = CompiledStep(model, cfg.trainer.accumulate, 0)
-    step.compile(place(batch, batch_shardings(batch)))
-    return step.compiled_memory()
-
-
-ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
-
-
-def compile_where_the_run_would(cfg: RunConfig) -> None:
-    """`plan.compile`: on this machine's accelerator where the run's hosts would use it (a
-    local or in-process run on TPU or GPU), else on one simulated CPU device per device of
-    the cluster. Set before JAX first touches a device."""
-    import jax
-
-    on_this_machine = cfg.cluster.name in ("local", "inprocess")
-    if on_this_machine and cfg.cluster.platform in ACCELERATORS:
-        jax.config.update("jax_platforms", ACCELERATORS[cfg.cluster.platform])
-        return
-    devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
 
 
 def main(overrides: list[str]) -> int:
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    # Its table's 10 columns need about 100 characters; a pipe's default is 80.
+    console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 100))
     try:
         cfg = compose_run_config(overrides)
-        if cfg.plan.compile:
+        check_cluster_size_given(cfg)
+        choice = None
+        if cfg.plan.compile or is_auto(cfg):
             compile_where_the_run_would(cfg)
-        plan = make_plan(cfg)
+        if is_auto(cfg):
+            choice = choose(cfg)
+            print_choice(choice, cfg, console)
+            cfg = choice.config
+        compiled = choice.chosen.compiled if choice else None
+        plan = make_plan(cfg, compile=cfg.plan.compile, compiled=compiled)
     except ConfigError as error:
         errors.print(f"error: {error}")
         return 2
-    # Its table's 10 columns need about 100 characters; a pipe's default is 80.
-    console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 100))
     print_plan(plan, cfg, console)
-    if cfg.plan.compile:
+    if plan.compiled:
         print_compiled(plan, cfg, console)
     return 0
 

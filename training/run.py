@@ -28,6 +28,7 @@ from rich.console import Console  # noqa: E402
 
 from training.checkpoint.inspection import newest_figures  # noqa: E402
 from training.config import (  # noqa: E402
+    AUTO_STRATEGY,
     ConfigError,
     LocalClusterConfig,
     RunConfig,
@@ -39,6 +40,7 @@ from training.config import (  # noqa: E402
 from training.driver.checked import check_sizes, with_layout  # noqa: E402
 from training.driver.display import (  # noqa: E402
     ProgressDisplay,
+    print_choice,
     print_layout,
     print_parameters,
     print_summary,
@@ -57,6 +59,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     """Check the config, train, write results under `output_dir`; return the summary."""
     console = console or Console()
     with sized_to_cluster(settled_outputs(to_run_config(cfg), output_dir)) as cfg:
+        cfg, compiled = chosen_strategy(cfg, console)
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
         # Ray starts before the rest of the checks, not beside them in a thread: it starts its
         # processes by fork, and a fork while another thread is inside a BLAS call hangs in
@@ -71,7 +74,7 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
             standby = bool(joined) and cfg.cluster.standby_hosts
             interrupted = False
             try:
-                summary, trained = checked_and_run(cfg, output_dir, console, standby)
+                summary, trained = checked_and_run(cfg, output_dir, console, standby, compiled)
             except KeyboardInterrupt:
                 interrupted = True
                 raise
@@ -87,10 +90,27 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     return summary
 
 
+def chosen_strategy(cfg: RunConfig, console: Console):
+    """strategy=auto: the config with the strategy, mesh and remat it chose (printed, with
+    the table it chose from), and the chosen step's compiled memory; any other config as it
+    is, and None."""
+    if cfg.strategy.name != AUTO_STRATEGY:
+        return cfg, None
+    # Imported here: Keras and the planner, for this strategy only.
+    from training.planning.auto import choose
+    from training.planning.compiled import compile_where_the_run_would
+
+    compile_where_the_run_would(cfg)
+    choice = choose(cfg)
+    print_choice(choice, cfg, console)
+    return choice.config, choice.chosen.compiled.memory
+
+
 def checked_and_run(
-    cfg: RunConfig, output_dir: Path, console: Console, claim_standby: bool
+    cfg: RunConfig, output_dir: Path, console: Console, claim_standby: bool, compiled=None
 ) -> tuple[dict, bool]:
-    """The run's summary, and whether it trained (not when an earlier run left nothing to)."""
+    """The run's summary, and whether it trained (not when an earlier run left nothing to).
+    `compiled`: the step's memory where the driver compiled it (strategy=auto)."""
     hosts = request_hosts(cfg.cluster, cfg.fault.startup_timeout_s, claim_standby)
     if hosts.from_standby:
         console.print(
@@ -104,7 +124,7 @@ def checked_and_run(
         # hosts' actors start meanwhile.
         from training.driver.preflight import preflight
 
-        checked = preflight(cfg)
+        checked = preflight(cfg, compiled)
         if nothing_left_to_train(cfg, checked):
             hosts.shutdown()
             return completed_earlier(cfg, checked, output_dir, console), False

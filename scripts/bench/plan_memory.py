@@ -128,7 +128,7 @@ def plan_against_accelerator(workloads: list[str]) -> list[dict]:
                 try:
                     with out_of_memory_explained("by the compiler"):
                         runner.compile(place(x, batch_shardings(x)))
-                    needed = runner.memory_needed
+                    needed = runner.memory.needed
                 except OutOfDeviceMemory as refused:
                     needed = refused.needed
                 del model, runner

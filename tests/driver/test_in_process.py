@@ -170,3 +170,33 @@ def test_the_plan_compiles_the_step_the_hosts_run(capsys):
     assert "the hosts' step" in printed
     state = re.search(r"state \(weights, optimizer\)\s+\S+ \S+\s+\S+ \S+\s+([\d.]+)", printed)
     assert 0.95 <= float(state.group(1)) <= 1.0, printed
+
+
+def test_strategy_auto_trains_with_the_fastest_strategy_that_fits_by_the_compiled_step(
+    tmp_path, capsys
+):
+    """With ample memory, strategy=auto picks data parallel; with a byte less than data
+    parallel's compiled step needs, a sharded strategy, which the run trains with as one
+    device does, its hosts' own compiled step within the memory given."""
+    from training.planning.auto import choose
+
+    overrides = [*IN_PROCESS, *FAST, "strategy=auto", "trainer.log_interval=1"]
+    ample = choose(run_config(overrides))
+    assert (ample.chosen.strategy, ample.chosen.mesh.as_tuple()) == ("data_parallel", (8, 1))
+    budget = ample.chosen.compiled.memory.needed - 1
+    summary = run_training(
+        run_config([*overrides, f"plan.device_memory_gb={budget / 1e9}"]), tmp_path
+    )
+    printed = capsys.readouterr().out
+    chose = re.search(
+        r"strategy=auto chose: strategy=(\w+) mesh.data=(\d) mesh.model=(\d)", printed
+    )
+    assert chose, printed
+    assert (summary["strategy"], summary["mesh"]) == (
+        chose.group(1),
+        {"data": int(chose.group(2)), "model": int(chose.group(3))},
+    )
+    assert summary["strategy"] != "data_parallel"
+    assert summary["step_memory_bytes"] <= budget
+    (reference,) = single_device_losses(FAST + ["trainer.log_interval=1"])
+    assert log_distance(summary["loss_history"], reference) < PRECISIONS["float32"]

@@ -240,10 +240,7 @@ MEMORY = {
 
 
 # Other depths, sequence lengths and batches than the rules above were fitted to, at the same
-# tolerance. Two are off by more, reported here rather than tuned for (plan / compiled peak):
-# the MLP under hybrid is over-predicted as its batch grows (batch 16 1.07, 64 1.27-1.29), and
-# a one-block transformer under hybrid at seq_len 256 and 8 examples is 1.15.
-OFF = "the plan over-predicts the compiled peak by more than 10 %: "
+# tolerance.
 UNTUNED = {
     "mlp-fsdp-depth3-batch32": (
         "fsdp",
@@ -265,6 +262,24 @@ UNTUNED = {
         MeshShape(8, 1),
         [*LLAMA, "model.seq_len=16", "trainer.remat=full"],
     ),
+}
+
+
+@pytest.mark.parametrize("case", [*MEMORY, *UNTUNED])
+def test_planned_memory_matches_the_compiled_step(case):
+    strategy, mesh, overrides = {**MEMORY, **UNTUNED}[case]
+    predicted, measured = plan_and_step(strategy, mesh, tuple(overrides))
+    memory = predicted.memory
+    assert memory.state_bytes == pytest.approx(measured.memory.arguments, rel=0.10)
+    assert memory.total_bytes == pytest.approx(measured.memory.peak, rel=0.10)
+
+
+# The plan's figures for the configured strategy are compiled (plan.compile): the hosts' own
+# step, compiled ahead of time from abstract state. Where the estimate is off by more than
+# 10 % (plan / compiled peak: the MLP under hybrid at batch 64, 1.27; a one-block transformer
+# under hybrid at seq_len 256 and 8 examples, 1.15; they were strict xfails of the estimate
+# test above), the plan shows the compiled figure; the estimate only ranks candidates.
+COMPILED = {
     "mlp-hybrid-depth4-batch64": (
         "hybrid",
         MeshShape(2, 4),
@@ -275,31 +290,39 @@ UNTUNED = {
         MeshShape(2, 4),
         [*TRANSFORMER, "model.kwargs.layers=1", "model.seq_len=256", "trainer.global_batch=8"],
     ),
+    "llama-hybrid": MEMORY["llama-hybrid"],
+    # Used by no other test: micro-batches and bfloat16 activations.
+    "transformer-hybrid-accumulate2-bfloat16": (
+        "hybrid",
+        MeshShape(2, 4),
+        [*TRANSFORMER, "trainer.accumulate=2", "trainer.precision=bfloat16"],
+    ),
 }
-OFF_BY = {"mlp-hybrid-depth4-batch64": 1.27, "transformer-hybrid-1layer-seq256-batch8": 1.15}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        *MEMORY,
-        *(
-            pytest.param(
-                case,
-                marks=pytest.mark.xfail(strict=True, reason=f"{OFF}{OFF_BY[case]}")
-                if case in OFF_BY
-                else (),
-            )
-            for case in UNTUNED
-        ),
-    ],
-)
-def test_planned_memory_matches_the_compiled_step(case):
-    strategy, mesh, overrides = {**MEMORY, **UNTUNED}[case]
-    predicted, measured = plan_and_step(strategy, mesh, tuple(overrides))
-    memory = predicted.memory
-    assert memory.state_bytes == pytest.approx(measured.memory.arguments, rel=0.10)
-    assert memory.total_bytes == pytest.approx(measured.memory.peak, rel=0.10)
+@pytest.mark.parametrize("case", COMPILED)
+def test_the_plans_compiled_figures_are_the_hosts_compiled_step(case):
+    """What `training.plan` compiles from abstract state (`compile_ahead_of_time`, also
+    strategy=auto's) is what a host's `CompiledStep`, built with weights on the devices,
+    reports."""
+    from training.host.loop import CompiledStep, batch_shardings, place
+    from training.planning.compiled import built_as_hosts_build, compile_ahead_of_time
+
+    strategy, mesh, overrides = COMPILED[case]
+    cfg = run_config(
+        [f"strategy={strategy}", f"mesh.data={mesh.data}", f"mesh.model={mesh.model}", *overrides]
+    )
+    planned = compile_ahead_of_time(cfg, mesh)
+    try:
+        model, dataset = built_as_hosts_build(cfg, mesh)
+        rows = cfg.trainer.micro_batch
+        batch = dataset.batch("train", 0, rows, slice(0, rows))
+        host = CompiledStep(model, cfg.trainer.accumulate, 0)
+        host.compile(place(batch, batch_shardings(batch)))
+    finally:
+        keras.distribution.set_distribution(None)
+        keras.config.set_dtype_policy("float32")
+    assert planned.memory == host.memory
 
 
 def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():

@@ -49,7 +49,13 @@ from training.config.optimizer import (
     SGDConfig,
 )
 from training.config.plan import PlanConfig
-from training.config.strategy import AUTO_LAYOUT, LAYOUTS, MeshConfig, StrategyConfig
+from training.config.strategy import (
+    AUTO_LAYOUT,
+    AUTO_STRATEGY,
+    LAYOUTS,
+    MeshConfig,
+    StrategyConfig,
+)
 from training.config.sweep import SweepConfig
 from training.config.trainer import TrainerConfig
 from training.gpus import MEM_FRACTION, Gpu, discover_gpus
@@ -61,6 +67,7 @@ DEFAULT_DEVICE_MEMORY_GB = 80.0
 __all__ = [
     "AUTO",
     "AUTO_LAYOUT",
+    "AUTO_STRATEGY",
     "CPU_HOSTS",
     "LAYOUTS",
     "AdamConfig",
@@ -137,6 +144,11 @@ class RunConfig:
             not self.export.lora_only or getattr(self.model, "lora_rank", 0),
             "export.lora_only writes a model's LoRA weights: it needs model=hub with "
             "model.lora_rank",
+        )
+        require(
+            self.strategy.name != AUTO_STRATEGY
+            or (self.mesh.data, self.mesh.model) == (AUTO, AUTO),
+            "strategy=auto picks the mesh as well: drop mesh.data and mesh.model",
         )
         require(
             not self.checkpoint.keep_best or self.trainer.eval_batches != 0,

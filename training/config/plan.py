@@ -30,11 +30,15 @@ class PlanConfig:
     # Fewer examples than this per device leave a device mostly waiting on launches.
     min_examples_per_device: int = 8
     # A run refuses to start when the plan predicts more than device_memory_gb per device
-    # for its strategy; false: try anyway.
+    # for its strategy (by the compiled step with strategy=auto, which compiled it; else by
+    # the estimate); false: try anyway.
     check_memory: bool = True
-    # training.plan also compiles the configured step on simulated CPU devices (allocating
-    # the model in this machine's memory) and prints what XLA says it holds.
-    compile: bool = False
+    # training.plan also compiles the configured strategy's step, the one the hosts run, ahead
+    # of time from abstract state (no weights allocated; on this machine's accelerator where
+    # the run has it, else on simulated CPU devices), prints what XLA says it holds and
+    # sends, and warns by that figure. Seconds for small models, about a minute for a large
+    # one on a TPU: false prints the estimate alone.
+    compile: bool = True
     # A device's dense bf16 peak, for the run's model FLOPs utilisation (MFU); null: known
     # per device kind (training/accelerators.py), none on CPU.
     peak_tflops: Optional[float] = None

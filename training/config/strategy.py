@@ -10,6 +10,9 @@ from omegaconf import MISSING
 from training.config.common import AUTO, require, require_size_or_auto
 
 STRATEGIES = ("data_parallel", "fsdp", "model_parallel", "hybrid")
+# strategy=auto: the driver picks one of STRATEGIES and its mesh by compiling the candidates
+# (training.planning.auto); nothing after it sees this name.
+AUTO_STRATEGY = "auto"
 # strategy.layout: the model's own rules, or rules derived from its structure
 # (training.planning.auto_layout).
 MODEL_LAYOUT = "model"
@@ -37,8 +40,12 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.name in STRATEGIES,
-            f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}",
+            self.name in (*STRATEGIES, AUTO_STRATEGY),
+            f"strategy.name={self.name!r} is not one of {', '.join(STRATEGIES)}, {AUTO_STRATEGY}",
+        )
+        require(
+            not (self.name == AUTO_STRATEGY and self.fsdp),
+            "strategy=auto tries strategy=fsdp itself; drop strategy.fsdp=true",
         )
         require(
             self.layout in LAYOUTS,

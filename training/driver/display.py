@@ -235,3 +235,56 @@ def print_layout(layout, console: Console) -> None:
     """The rules `strategy.layout=auto` chose, with why and as one override to copy: soft
     wrapped, since a hard wrap would put newlines into the override."""
     console.print(layout.describe(), markup=False, highlight=False, soft_wrap=True)
+
+
+def print_choice(choice, configured, console: Console) -> None:
+    """What `strategy=auto` chose from (`training.planning.auto.Choice`): each candidate's
+    compiled memory per device (or `-` where it was not compiled), its estimated step time,
+    whether it fits; then the choice and the overrides that reproduce it."""
+    from rich.table import Table
+
+    from training.parallel.dtypes import readable_bytes
+
+    table = Table(
+        title=f"strategy=auto: the fastest that fits {choice.budget_bytes / 1e9:g} GB per device "
+        "by the compiled step",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    table.add_column("strategy", no_wrap=True)
+    for column in ("mesh", "remat", "compiled", "estimated", "step (est.)", "fits"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for candidate in choice.candidates:
+        fits = candidate.fits(choice.budget_bytes)
+        compiled = candidate.compiled
+        table.add_row(
+            f"{candidate.strategy}{' *' if candidate is choice.chosen else ''}",
+            f"{candidate.mesh.data}×{candidate.mesh.model}",
+            candidate.remat,
+            readable_bytes(compiled.memory.needed) if compiled else "-",
+            readable_bytes(candidate.estimate.memory_bytes),
+            f"{candidate.estimate.step_seconds(configured.plan) * 1e3:.3g}ms",
+            {True: "yes", False: "no", None: "-"}[fits],
+        )
+    console.print(table)
+    console.print(
+        "compiled: what the hosts' step needs of a device by XLA's memory_analysis() (- not "
+        "compiled); estimated: the analytic plan's memory, which ranks the candidates with "
+        "its step time; * chosen",
+        markup=False,
+    )
+    for candidate in choice.candidates:
+        if candidate.refused:
+            console.print(
+                f"{candidate.override(configured)}: the compiler refused it ({candidate.refused})",
+                markup=False,
+                soft_wrap=True,
+            )
+    if choice.chosen is not None:
+        console.print(
+            f"strategy=auto chose: {choice.chosen.override(configured)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -25,9 +25,12 @@ from training.planning.layout import resolve_layout
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 from training.recipe.optimizer import check_updates_weights_of
+from training.step import CompiledMemory
 
 
-def preflight(cfg: RunConfig) -> Checked:
+def preflight(cfg: RunConfig, compiled: CompiledMemory | None = None) -> Checked:
+    """The checks; the memory check by the `compiled` step's figure where the driver compiled
+    it (strategy=auto), else by the plan's estimate."""
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = check_sizes(cfg)
     dataset = build_dataset(cfg.data)
@@ -50,7 +53,7 @@ def preflight(cfg: RunConfig) -> Checked:
     strategy = Strategy.of(cfg.strategy)
     layout = resolve_layout(strategy, mesh, model_key)
     if cfg.plan.check_memory:
-        check_memory_fits(cfg, costs.abstract_model(cfg, data_spec), mesh, per_host)
+        check_memory_fits(cfg, costs.abstract_model(cfg, data_spec), mesh, per_host, compiled)
     resume_step = (
         inspect_checkpoints(cfg, variables, data_spec.fingerprint)
         if cfg.checkpoint.enabled
@@ -72,11 +75,15 @@ def preflight(cfg: RunConfig) -> Checked:
 
 
 def check_memory_fits(
-    cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape, per_host: int
+    cfg: RunConfig,
+    model: costs.AbstractModel,
+    mesh: MeshShape,
+    per_host: int,
+    compiled: CompiledMemory | None = None,
 ) -> None:
-    """The plan's memory per device for the configured strategy within
-    plan.device_memory_gb."""
-    why = costs.over_budget(cfg, model, mesh, per_host)
+    """The memory per device for the configured strategy (compiled, or the plan's estimate)
+    within plan.device_memory_gb."""
+    why = costs.over_budget(cfg, model, mesh, per_host, compiled)
     if why:
         raise ConfigError(
             f"{why}. python -m training.plan shows each strategy's figures; "

@@ -1,4 +1,5 @@
-"""The hosts' step: Keras' own `train_step`, compiled once, dispatched without waiting.
+"""The hosts' step (`training.step`: Keras' own `train_step` on a micro-batch, the loss summed
+on the devices), compiled once, dispatched without waiting.
 
 Between steps the training state (trainable, non-trainable and optimizer variables) is a
 pytree of jax arrays with the variables' shardings; it is written into the Keras variables
@@ -21,10 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training import keras_compat
 from training.host.compile_cache import compile_step
-from training.host.memory import batch_bytes, step_need
 from training.recipe.schedules import learning_rate_at
+from training.step import (
+    COUNTS,
+    CompiledMemory,
+    compiled_memory,
+    data_sharding,
+    initial_carry,
+    jitted_micro_step,
+    replicated_sharding,
+    shard_bytes,
+    state_variables,
+)
 
 # At most about this many steps are left in flight: XLA:CPU's collectives can abort when
 # hundreds of steps are queued without the host ever waiting (jax #25861).
@@ -43,25 +53,20 @@ class Interval:
 
 
 class CompiledStep:
-    """One optimizer step is `accumulate` calls of the compiled micro-step."""
+    """One optimizer step is `accumulate` calls of the compiled micro-step
+    (`training.step`)."""
 
     def __init__(self, model, accumulate: int, start_step: int):
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec
 
         self.model, self.accumulate = model, accumulate
-        mesh = _mesh()
-        self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        self._replicated = replicated_sharding()
         model.reset_metrics()
         # The metrics' fresh states: each interval between reads starts from them, so a read
         # gives each metric over the interval. Never donated, so they serve every interval;
         # Keras never holds these arrays again (resetting its metrics assigns new ones).
         self._fresh_metrics = [v.value for v in model.metrics_variables]
         self.metrics = self._fresh_metrics
-        # Keras' loss tracker (a mean since its last reset) starts each micro-step afresh, so
-        # the step's logged "loss" is that micro-batch's; the carry sums them.
-        tracked = {id(v) for v in keras_compat.loss_tracker(model).variables}
-        self._loss_slots = [i for i, v in enumerate(model.metrics_variables) if id(v) in tracked]
         self._results = jax.jit(lambda metrics: metric_results(model, metrics))
         self._test_step = jax.jit(model.test_step)
         self.from_keras()
@@ -69,27 +74,22 @@ class CompiledStep:
         # returns, and on a fast step (1 CPU device, a small model) four cost 10 %.
         # floats: (loss sum, first bad step's loss); ints: (micro-batches done, first bad step)
         start = start_step * accumulate
-        self.carry = jax.jit(lambda: _initial_carry(start), out_shardings=self._replicated)()
+        self.carry = jax.jit(lambda: initial_carry(start), out_shardings=self._replicated)()
         self._reset = jax.jit(_reset_sum, out_shardings=self._replicated)
         self._compiled = None
-        self.memory_needed: int | None = None  # what the compiled step needs of a device
+        self.memory: CompiledMemory | None = None  # what the compiled step holds and needs
         self._in_flight: list = []
 
     def from_keras(self) -> None:
         """Take the state from the Keras variables (at the start)."""
-        model = self.model
-        self.state = (
-            [v.value for v in model.trainable_variables],
-            [v.value for v in model.non_trainable_variables],
-            [v.value for v in model.optimizer.variables],
-        )
+        import jax
+
+        self.state = jax.tree.map(lambda v: v.value, state_variables(self.model))
 
     def to_keras(self) -> None:
         """Write the state into the Keras variables (before a save, and at the end). The next
         step donates these arrays; evaluation reads the state itself, not the variables."""
-        model = self.model
-        groups = (model.trainable_variables, model.non_trainable_variables)
-        for variables, values in zip((*groups, model.optimizer.variables), self.state, strict=True):
+        for variables, values in zip(state_variables(self.model), self.state, strict=True):
             for variable, value in zip(variables, values, strict=True):
                 variable.assign(value)
 
@@ -99,43 +99,13 @@ class CompiledStep:
         import jax
 
         started = time.perf_counter()
-        model, accumulate = self.model, self.accumulate
         shardings = jax.tree.map(lambda value: value.sharding, self.state)
-
-        loss_slots = self._loss_slots
-
-        def micro_step(state, metrics, carry, data):
-            import jax.numpy as jnp
-
-            metrics = [
-                jnp.zeros_like(value) if i in loss_slots else value
-                for i, value in enumerate(metrics)
-            ]
-            logs, (trainable, non_trainable, optimizer, metrics) = model.train_step(
-                (*state, metrics), data
-            )
-            carry = _add_loss(carry, logs["loss"], accumulate)
-            return (trainable, non_trainable, optimizer), metrics, carry
-
-        # The state is donated: updated in place. The carry (two small arrays) is not, so that
-        # `bound_in_flight` can wait on an older one; nor are the metrics (see __init__).
-        step = jax.jit(
-            micro_step,
-            donate_argnums=0,
-            out_shardings=(shardings, self._replicated, self._replicated),
-        )
+        step = jitted_micro_step(self.model, self.accumulate, shardings, self._replicated)
         lowered = step.lower(self.state, self.metrics, self.carry, batch)
         self._compiled = compile_step(lowered)
         # The prefetcher places the next batch while a step runs: one more on the devices.
-        self.memory_needed = step_need(self._compiled, batch_bytes(batch))
+        self.memory = compiled_memory(self._compiled, shard_bytes(batch))
         return time.perf_counter() - started
-
-    def compiled_memory(self):
-        """What XLA's memory_analysis() says the compiled micro-step holds per device."""
-        from training.planning.compiled import CompiledMemory
-
-        analysis = self._compiled.memory_analysis()
-        return CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes)
 
     def __call__(self, batch) -> None:
         """Dispatch one micro-batch; returns before the devices finish it."""
@@ -208,18 +178,6 @@ class CompiledStep:
             return learning_rate_at(optimizer, (step - 1) * self.accumulate)
 
 
-FLOATS, COUNTS = 0, 1  # the carry's two arrays
-
-
-def _initial_carry(micro_done: int):
-    import jax.numpy as jnp
-
-    return (
-        jnp.asarray([0.0, jnp.nan], jnp.float32),  # loss sum, first bad step's loss
-        jnp.asarray([micro_done, -1], jnp.int32),  # micro-batches done, first bad step
-    )
-
-
 def metric_results(model, metrics) -> dict:
     """The model's metrics from their state `metrics`, but the loss, which the carry sums
     (Keras' own loss tracker is one of them)."""
@@ -233,27 +191,6 @@ def metric_results(model, metrics) -> dict:
 def _reset_sum(carry):
     floats, counts = carry
     return floats.at[0].set(0.0), counts
-
-
-def _add_loss(carry, loss, accumulate: int):
-    """The carry after one micro-batch of loss `loss`: summed, counted, checked."""
-    import jax.numpy as jnp
-
-    (loss_sum, bad_loss), (micro, bad_step) = carry
-    loss = loss.astype(jnp.float32)
-    step = micro // accumulate + 1  # the optimizer step (1-based) this micro-batch is in
-    first = (bad_step < 0) & ~jnp.isfinite(loss)
-    return (
-        jnp.stack([loss_sum + loss, jnp.where(first, loss, bad_loss)]),
-        jnp.stack([micro + 1, jnp.where(first, step, bad_step)]),
-    )
-
-
-def _mesh():
-    from keras import distribution
-
-    current = distribution.distribution()
-    return current.device_mesh.backend_mesh if current is not None else None
 
 
 class Prefetcher:
@@ -313,19 +250,8 @@ def place(batch, shardings):
 
 
 def batch_shardings(batch):
-    """The shardings of a batch's arrays (in the thread that set Keras' distribution)."""
+    """The shardings of a batch's arrays (in the thread that set Keras' distribution): this
+    host's rows of each become its part of one global array."""
     import jax
 
-    return jax.tree.map(_data_sharding, batch)
-
-
-def _data_sharding(array: np.ndarray):
-    """The sharding Keras gives an input batch of this shape (its `_distribute_data`): this
-    host's rows of it become its part of one global array."""
-    import jax
-    from keras import distribution
-
-    current = distribution.distribution()
-    if current is None:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return current.get_data_layout(array.shape).backend_layout
+    return jax.tree.map(lambda array: data_sharding(array.shape), batch)

@@ -2,10 +2,10 @@
 before the first step, and a device running out of memory as `OutOfDeviceMemory` rather
 than a traceback.
 
-The need is XLA's `memory_analysis()` of the compiled step (its peak, or arguments +
-temporaries + outputs not updated in place), plus the one batch the prefetcher places on the
-devices while a step runs. The limit is the device's own (`memory_stats()["bytes_limit"]`,
-what JAX's allocator may use); a platform without one (CPU) is not checked.
+The need is XLA's `memory_analysis()` of the compiled step, with the one batch the
+prefetcher places on the devices while a step runs (`training.step.compiled_memory`). The
+limit is the device's own (`memory_stats()["bytes_limit"]`, what JAX's allocator may use); a
+platform without one (CPU) is not checked.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from training.events import OutOfDeviceMemory
+from training.events import OUT_OF_MEMORY, OutOfDeviceMemory
 
-# How XLA and the TPU/GPU runtimes say a device ran out of memory.
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 # "... required for HLO temporaries (16.00G) exceeds available HBM (15.75G)", "Used 19.3G of
 # 15.48G hbm": the figures a TPU's refusal gives, in GiB.
 TPU_FIGURES = re.compile(
@@ -48,30 +46,6 @@ def peak_bytes_in_use() -> int | None:
         if (stats := device.memory_stats()) and "peak_bytes_in_use" in stats
     ]
     return int(max(peaks)) if peaks else None
-
-
-def batch_bytes(batch) -> int:
-    """What one placed batch holds on a device (the largest share, where shares differ)."""
-    import jax
-
-    return sum(
-        max(shard.data.nbytes for shard in leaf.addressable_shards)
-        for leaf in jax.tree.leaves(batch)
-    )
-
-
-def step_need(compiled, batch_bytes: int) -> int:
-    """What the compiled step needs of a device: its own peak as XLA reports it (or its
-    arguments, temporaries and the outputs not written in place), and the next batch."""
-    analysis = compiled.memory_analysis()
-    laid_out = (
-        analysis.argument_size_in_bytes
-        + analysis.temp_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.generated_code_size_in_bytes
-    )
-    return max(int(getattr(analysis, "peak_memory_in_bytes", 0) or 0), laid_out) + batch_bytes
 
 
 def check_step_fits(needed: int) -> None:

@@ -30,7 +30,7 @@ from training.events import (
 from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.feed import HostFeed, distinct_examples
-from training.host.loop import COUNTS, CompiledStep
+from training.host.loop import CompiledStep
 from training.host.memory import (
     check_step_fits,
     local_device,
@@ -47,6 +47,7 @@ from training.parallel.mesh import (
     model_groups_within_hosts,
 )
 from training.recipe.early_stopping import EarlyStopping
+from training.step import COUNTS
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -222,8 +223,8 @@ def _train_loop(
     try:
         with cache_outcome() as compiled, out_of_memory_explained("by the compiler"):
             compiled["compile_seconds"] = runner.compile(batches.peek())
-        compiled["step_memory_bytes"] = runner.memory_needed
-        check_step_fits(runner.memory_needed)
+        compiled["step_memory_bytes"] = runner.memory.needed
+        check_step_fits(runner.memory.needed)
         with out_of_memory_explained("at run time"):
             reached = _steps(
                 trainer,

@@ -100,7 +100,7 @@ def _gather(variable):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    sharding = variable.value.sharding
+    sharding = keras_compat.variable_sharding(variable)
     if not isinstance(sharding, NamedSharding) or DATA_AXIS not in sharding.spec:
         return None
     whole_over_data = NamedSharding(

@@ -1,41 +1,42 @@
-"""What a compiled training step really does on this process's devices: the collectives in
-its HLO and the bytes its live variables hold per device. The benchmarks and the tests that
-check `training.plan` against reality read these."""
+"""What the hosts' training step (`training.step`) really does on this process's devices, as
+the compiler makes it: the bytes each device holds (XLA's `memory_analysis()`) and the
+collectives in its HLO. `training.plan` and `strategy=auto` compile it ahead of time from
+abstract state (`compile_ahead_of_time`); the benchmarks and tests also read what a live
+build's variables hold (`measure_step`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from training.config import RunConfig
+from training import step
+from training.config import ConfigError, RunConfig
+from training.models.remat import cpu_xla_flags
 from training.parallel.mesh import MeshShape, device_grid, settled
 from training.parallel.strategy import Strategy
 from training.planning import collectives
+from training.step import CompiledMemory
 
 
 @dataclass(frozen=True)
-class CompiledMemory:
-    """What XLA's `memory_analysis()` of the compiled step says one device holds: its
-    arguments (weights, optimizer and metric state, the batch; the state is donated and
-    updated in place) and the temporaries it allocates while it runs."""
+class Compiled:
+    """The hosts' step as the compiler makes it: what a device holds and the collectives in
+    its HLO."""
 
-    arguments: int
-    temporaries: int
-
-    @property
-    def peak(self) -> int:
-        return self.arguments + self.temporaries
-
-
-@dataclass(frozen=True)
-class Measured:
-    collectives: list[collectives.Collective]
-    parameter_bytes_per_device: int
-    optimizer_bytes_per_device: int
     memory: CompiledMemory
+    collectives: list[collectives.Collective]
 
     @property
     def sent_bytes(self) -> float:
         return collectives.sent_bytes(self.collectives)
+
+
+@dataclass(frozen=True)
+class Measured(Compiled):
+    """... and what the live arrays of a model built on the devices hold per device."""
+
+    parameter_bytes_per_device: int = 0
+    optimizer_bytes_per_device: int = 0
 
 
 def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
@@ -55,64 +56,99 @@ def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
 def built_as_hosts_build(cfg: RunConfig, mesh: MeshShape):
     """The model and dataset as the hosts build them for `mesh`, on this process's first
     devices."""
-    import jax
-
     from training.build import build_on_grid
 
-    return build_on_grid(
-        as_hosts_get_it(cfg, mesh), device_grid(jax.devices()[: mesh.devices], mesh)
-    )
+    return build_on_grid(as_hosts_get_it(cfg, mesh), _grid(mesh))
+
+
+def compile_ahead_of_time(cfg: RunConfig, mesh: MeshShape) -> Compiled:
+    """The hosts' step for `mesh` compiled on this process's first devices from abstract
+    state: the model built as the hosts build it but without weights, so that a model whose
+    weights do not fit this machine compiles as quickly as a small one. Keras' distribution
+    and dtype policy are left as they were."""
+    import keras
+
+    from training import keras_compat, models
+    from training.build import build_on_grid
+
+    settled = as_hosts_get_it(cfg, mesh)
+    distribution, policy = keras.distribution.distribution(), keras.config.dtype_policy()
+    # Fresh layer names, so that the variables' paths are a host's (the rules match them).
+    keras_compat.reset_layer_names()
+    try:
+        with models.without_weights():
+            model, dataset = build_on_grid(settled, _grid(mesh))
+        return _compiled(model, dataset, cfg, mesh)
+    finally:
+        keras.distribution.set_distribution(distribution)
+        keras.config.set_dtype_policy(policy)
 
 
 def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
-    """Build the model on this process's devices, take one training step (which creates the
-    optimizer's variables), then compile the step as Keras does and read its collectives."""
+    """Build the model on this process's devices, as the hosts do, and compile the hosts'
+    step for it: what its live arrays and the compiled step hold per device, and the step's
+    collectives."""
     model, dataset = built_as_hosts_build(cfg, mesh)
-    batch = cfg.trainer.micro_batch
-    x, y = dataset.batch("train", 0, batch, slice(0, batch))
-    step = compiled_train_step(model, x, y)
-    analysis = step.memory_analysis()
+    compiled = _compiled(model, dataset, cfg, mesh)
     return Measured(
-        collectives.from_hlo(step.as_text(), mesh.devices),
+        compiled.memory,
+        compiled.collectives,
         _shard_bytes(model.variables),
         _shard_bytes(model.optimizer.variables),
-        CompiledMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes),
     )
 
 
+def _compiled(model, dataset, cfg: RunConfig, mesh: MeshShape) -> Compiled:
+    rows = cfg.trainer.micro_batch
+    batch = step.abstract_batch(dataset.batch("train", 0, rows, slice(0, rows)))
+    compiled = step.compile_ahead(model, cfg.trainer.accumulate, batch)
+    return Compiled(
+        step.compiled_memory(compiled, step.shard_bytes(batch)),
+        collectives.from_hlo(compiled.as_text(), mesh.devices),
+    )
+
+
+def _grid(mesh: MeshShape):
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < mesh.devices:
+        raise ConfigError(
+            f"compiling the step for mesh {mesh.data}×{mesh.model} needs {mesh.devices} devices; "
+            f"this process's JAX holds {len(devices)} {devices[0].platform} device(s) (started "
+            "before the plan with other settings: run it in a fresh process)"
+        )
+    return device_grid(devices[: mesh.devices], mesh)
+
+
+ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
+
+
+def compile_where_the_run_would(cfg: RunConfig) -> None:
+    """Compile on this machine's accelerator where the run's hosts would use it (a local or
+    in-process run on TPU or GPU), else on one simulated CPU device per device of the
+    cluster. Set before JAX first touches a device."""
+    import jax
+
+    on_this_machine = cfg.cluster.name in ("local", "inprocess")
+    if on_this_machine and cfg.cluster.platform in ACCELERATORS:
+        jax.config.update("jax_platforms", ACCELERATORS[cfg.cluster.platform])
+        return
+    devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
+
+
 def train_step_hlo(model, x, y) -> str:
-    """The optimized HLO of the model's train step."""
+    """The optimized HLO of the hosts' step for the model."""
     return compiled_train_step(model, x, y).as_text()
 
 
 def compiled_train_step(model, x, y):
-    """The model's train step compiled as Keras's own `make_train_function` compiles it: the
-    state sharded as the live variables are, and donated."""
-    import jax
-
-    state = (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in model.optimizer.variables],
-        [v.value for v in model.metrics_variables],
-    )
-    shardings = jax.tree.map(lambda value: value.sharding, state)
-    step = jax.jit(model.train_step, out_shardings=(None, shardings), donate_argnums=0)
-    return step.lower(state, _as_keras_places((x, y))).compile()
-
-
-def _as_keras_places(batch):
-    """The batch's arrays laid out as Keras lays out an input batch: its distribution's data
-    layout."""
-    import jax
-    import keras
-
-    distribution = keras.distribution.distribution()
-    if distribution is None:
-        return jax.device_put(batch)
-    return jax.tree.map(
-        lambda a: jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout), batch
-    )
+    """The hosts' step for a compiled model, compiled for batches like (x, y) (its state
+    sharded as its variables are, and donated)."""
+    return step.compile_ahead(model, 1, step.abstract_batch((x, y)))
 
 
 def _shard_bytes(variables) -> int:

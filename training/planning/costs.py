@@ -29,6 +29,7 @@ from training.planning.layer_graph import untraceable
 from training.planning.layout import resolve_layout
 from training.planning.tensor_parallel import model_axis_collectives
 from training.recipe.optimizer import build_optimizer
+from training.step import CompiledMemory
 
 
 @dataclass(frozen=True)
@@ -332,18 +333,26 @@ def fitting_strategies(
     return found
 
 
-def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host: int) -> str | None:
+def over_budget(
+    cfg: RunConfig,
+    model: AbstractModel,
+    mesh: MeshShape,
+    per_host: int,
+    compiled: CompiledMemory | None = None,
+) -> str | None:
     """Why the configured strategy does not fit plan.device_memory_gb, and what does; None
-    where it fits."""
+    where it fits. By the `compiled` step's need where it was compiled, else by the
+    estimate."""
     budget = cfg.plan.device_memory_gb
     examples = cfg.trainer.micro_batch
     strategy = Strategy.of(cfg.strategy)
     memory = memory_cost(cfg, model, strategy, mesh, examples)
-    if memory.total_bytes <= budget * 1e9:
+    needed = compiled.needed if compiled is not None else memory.total_bytes
+    if needed <= budget * 1e9:
         return None
     fits = fitting_strategies(cfg, model, mesh.devices, per_host, examples)
     alternatives = (
-        "these fit: "
+        "these fit by the plan's estimate: "
         + ", ".join(
             f"{s.as_overrides()} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
             for s, m, c in fits
@@ -352,12 +361,21 @@ def over_budget(cfg: RunConfig, model: AbstractModel, mesh: MeshShape, per_host:
         else "no strategy fits on these devices: use more devices, trainer.remat or a smaller "
         "trainer.global_batch (or trainer.accumulate)"
     )
+    if compiled is not None:
+        why = (
+            f"{readable_bytes(needed)} per device by its compiled step (arguments "
+            f"{readable_bytes(compiled.arguments)}, temporaries "
+            f"{readable_bytes(compiled.temporaries)})"
+        )
+    else:
+        why = (
+            f"{readable_bytes(needed)} per device by the plan (weights "
+            f"{readable_bytes(memory.parameter_bytes)}, optimizer state "
+            f"{readable_bytes(memory.optimizer_bytes)}, gradients "
+            f"{readable_bytes(memory.gradient_bytes)}, activations "
+            f"{readable_bytes(memory.activation_bytes)})"
+        )
     return (
-        f"{strategy.as_overrides()} on mesh {mesh.data}×{mesh.model} needs "
-        f"{readable_bytes(memory.total_bytes)} per device by the plan (weights "
-        f"{readable_bytes(memory.parameter_bytes)}, optimizer state "
-        f"{readable_bytes(memory.optimizer_bytes)}, gradients "
-        f"{readable_bytes(memory.gradient_bytes)}, activations "
-        f"{readable_bytes(memory.activation_bytes)}), more than plan.device_memory_gb="
-        f"{budget:g}; {alternatives}"
+        f"{strategy.as_overrides()} on mesh {mesh.data}×{mesh.model} needs {why}, more "
+        f"than plan.device_memory_gb={budget:g}; {alternatives}"
     )
