@@ -238,7 +238,7 @@ def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     memory = configured.memory
     where = f"{configured.mesh.devices} {jax.devices()[0].device_kind} device(s)"
     table = Table(
-        title=f"{configured.strategy} compiled on {where}, per device",
+        title=f"{configured.strategy.label} compiled on {where}, per device",
         title_justify="left",
         box=None,
         pad_edge=False,

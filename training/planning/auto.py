@@ -2,7 +2,7 @@
 start, by compiling the hosts' step.
 
 The candidates are every strategy and mesh the cluster's devices allow
-(`costs.candidate_meshes`), with the configured `trainer.remat`. The analytic estimate ranks
+(`costs.candidates`), with the configured `trainer.remat`. The analytic estimate ranks
 them by predicted step time without compiling; in that order, the promising ones (whose
 estimated memory is not far over the devices') are compiled ahead of time
 (`compiled.compile_ahead_of_time`: on the run's accelerator where it has one, else on
@@ -26,8 +26,9 @@ from training.config.strategy import MODEL_LAYOUT
 from training.data import build_dataset
 from training.events import OUT_OF_MEMORY
 from training.parallel.mesh import MeshShape
+from training.parallel.strategy import Strategy
 from training.planning.compiled import Compiled, compile_ahead_of_time
-from training.planning.costs import StrategyCost, abstract_model, candidate_meshes, strategy_cost
+from training.planning.costs import StrategyCost, abstract_model, candidates, strategy_cost
 
 # trainer.remat's settings, from the least recomputation to the most.
 REMAT_LEVELS = ("none", "dots", "full")
@@ -128,29 +129,29 @@ def _estimated(cfg: RunConfig, remat: str, spec) -> list[Candidate]:
     cluster, examples = cfg.cluster, cfg.trainer.micro_batch
     devices = cluster.hosts * cluster.devices_per_host
     found = []
-    for strategy, mesh in candidate_meshes(devices, cluster.devices_per_host):
+    for strategy, mesh in candidates(cfg.strategy, devices, cluster.devices_per_host):
         if examples % mesh.data or examples % cluster.hosts:
             continue
-        if strategy == "fsdp" and mesh.data == 1:  # data parallel's layout, on one device
+        if strategy.shards_over_data and mesh.data == 1:  # nothing to shard over: replicated
             continue
         try:
             config = candidate_config(cfg, strategy, mesh, remat)
             model = abstract_model(config, spec)
-            estimate = strategy_cost(config, model, strategy, mesh, examples)
+            estimate = strategy_cost(config, model, Strategy.of(config.strategy), mesh, examples)
         except ConfigError:  # a layout this mesh cannot take (fsdp's, the model's)
             continue
         found.append(Candidate(config, mesh, estimate))
     return found
 
 
-def candidate_config(cfg: RunConfig, strategy: str, mesh: MeshShape, remat: str) -> RunConfig:
+def candidate_config(cfg: RunConfig, strategy: Strategy, mesh: MeshShape, remat: str) -> RunConfig:
     """The run's config with `strategy` on `mesh` and `remat`: what the run gets if chosen."""
     layout = cfg.strategy.layout
-    if strategy == "fsdp" and layout == AUTO_LAYOUT:  # derived rules need a model axis
+    if "model" not in strategy.axes and layout == AUTO_LAYOUT:  # derived rules need one
         layout = MODEL_LAYOUT
     return replace(
         cfg,
-        strategy=replace(cfg.strategy, name=strategy, layout=layout),
+        strategy=replace(cfg.strategy, name=strategy.name, layout=layout),
         mesh=MeshConfig(data=mesh.data, model=mesh.model),
         trainer=replace(cfg.trainer, remat=remat),
     )
