@@ -100,7 +100,8 @@ def test_variable_matched_by_two_rules_is_rejected():
         (
             ["model=wide_mlp", "plan.device_memory_gb=0.2"],
             r"strategy=data_parallel on mesh 8×1 needs 337 MB per device by the plan .* more "
-            r"than plan.device_memory_gb=0.2; these fit by the plan's estimate: strategy=fsdp mesh 8×1 \(161 MB\)",
+            r"than plan.device_memory_gb=0.2; these fit by the plan's estimate: "
+            r"strategy=fsdp mesh 8×1 \(161 MB\)",
         ),
         (
             ["model=wide_mlp", "plan.device_memory_gb=0.01"],
