@@ -128,7 +128,7 @@ def _estimated(cfg: RunConfig, remat: str, spec) -> list[Candidate]:
     the analytic estimate."""
     cluster, examples = cfg.cluster, cfg.trainer.micro_batch
     devices = cluster.hosts * cluster.devices_per_host
-    found = []
+    found, refused = [], []
     for strategy, mesh in candidates(cfg.strategy, devices, cluster.devices_per_host):
         if examples % mesh.data or examples % cluster.hosts:
             continue
@@ -138,9 +138,12 @@ def _estimated(cfg: RunConfig, remat: str, spec) -> list[Candidate]:
             config = candidate_config(cfg, strategy, mesh, remat)
             model = abstract_model(config, spec)
             estimate = strategy_cost(config, model, Strategy.of(config.strategy), mesh, examples)
-        except ConfigError:  # a layout this mesh cannot take (fsdp's, the model's)
+        except ConfigError as error:  # a layout this mesh cannot take (fsdp's, the model's)
+            refused.append(error)
             continue
         found.append(Candidate(config, mesh, estimate))
+    if refused and not found:  # not a layout's fault: the model and data do not go together
+        raise refused[0]
     return found
 
 
