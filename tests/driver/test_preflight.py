@@ -145,7 +145,7 @@ def test_the_checks_run_once_ray_has_started_and_in_the_callers_thread(monkeypat
 
     seen = {}
 
-    def recording_preflight(cfg):
+    def recording_preflight(cfg, compiled=None):
         seen.update(thread=threading.current_thread(), ray_up=ray.is_initialized())
         raise ConfigError("stop here")
 
