@@ -71,9 +71,10 @@ def producer(tensor):
 
 
 def produced_from(tensor) -> list:
-    """The tensors the operation that made the symbolic `tensor` read."""
+    """The tensors the operation that made the symbolic `tensor` read (none for an input, or
+    a tensor no operation made: keras-hub's Llama has such)."""
     history = getattr(tensor, "_keras_history", None)
-    if history is None:
+    if history is None or history.operation is None:
         return []
     return list(history.operation._inbound_nodes[history.node_index].input_tensors)
 
