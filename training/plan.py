@@ -29,6 +29,8 @@ from rich.table import Table  # noqa: E402
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
 from training.driver.display import print_choice, print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
+from training.events import OutOfDeviceMemory  # noqa: E402
+from training.host.memory import out_of_memory_explained  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
@@ -62,6 +64,7 @@ class LaunchPlan:
     warnings: list[str]
     layout: AutoLayout | None = None  # strategy.layout=auto's rules for the configured mesh
     compiled: Compiled | None = None  # the configured step as XLA compiles it
+    refused: OutOfDeviceMemory | None = None  # or the compiler's refusal: it does not fit
 
 
 def check_cluster_size_given(cfg: RunConfig) -> None:
@@ -81,8 +84,14 @@ def make_plan(
     check_cluster_size_given(cfg)
     # The plan reports a strategy that does not fit rather than refusing it, as a run does.
     checked = preflight(replace(cfg, plan=replace(cfg.plan, check_memory=False)))
+    refused = None
     if compile and compiled is None:
-        compiled = compile_ahead_of_time(cfg, checked.mesh)
+        try:
+            # An accelerator's compiler refuses a step over its memory: the plan says so.
+            with out_of_memory_explained("by the compiler"):
+                compiled = compile_ahead_of_time(cfg, checked.mesh)
+        except OutOfDeviceMemory as error:
+            refused = error
     model = abstract_model(cfg, checked.data_spec)
     examples = cfg.trainer.micro_batch
     configured = strategy_cost(cfg, model, Strategy.of(cfg.strategy), checked.mesh, examples)
@@ -98,9 +107,10 @@ def make_plan(
         configured,
         alternatives,
         predicted_speedups(cfg, model, configured),
-        [*checked.warnings, *launch_warnings(cfg, model, configured, compiled)],
+        [*checked.warnings, *launch_warnings(cfg, model, configured, compiled, refused)],
         checked.layout,
         compiled,
+        refused,
     )
 
 
@@ -124,9 +134,13 @@ def predicted_speedups(cfg: RunConfig, model: AbstractModel, cost: StrategyCost)
 
 
 def launch_warnings(
-    cfg: RunConfig, model: AbstractModel, cost: StrategyCost, compiled: Compiled | None
+    cfg: RunConfig,
+    model: AbstractModel,
+    cost: StrategyCost,
+    compiled: Compiled | None,
+    refused: OutOfDeviceMemory | None = None,
 ) -> list[str]:
-    found = []
+    found = [f"{refused}: a run stops there, before its first step"] if refused else []
     hardware = cfg.plan
     if cost.mesh.model > 1:
         data_parallel = Strategy.of(cfg.strategy, "data_parallel")
@@ -193,7 +207,7 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     for cost in plan.alternatives:
         chosen = (cost.strategy, cost.mesh) == (plan.configured.strategy, plan.configured.mesh)
         needed = plan.compiled.memory.needed if chosen and plan.compiled else cost.memory_bytes
-        over = needed > cfg.plan.device_memory_gb * GB
+        over = (chosen and plan.refused is not None) or needed > cfg.plan.device_memory_gb * GB
         table.add_row(
             f"{cost.strategy.label}{' *' if chosen else ''}{' !' if over else ''}",
             f"{cost.mesh.data}×{cost.mesh.model}",

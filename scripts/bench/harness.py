@@ -57,7 +57,6 @@ ACCELERATOR_COMMON = [
     "trainer.eval_batches=0",
     "trainer.compile_cache_dir=off",
     "export.enabled=false",
-    "data=tokens",
 ]
 ACCELERATOR_TRANSFORMER = ["model=transformer", "model.seq_len=1024", "trainer.global_batch=16"]
 WORKLOADS = {
@@ -98,14 +97,33 @@ WORKLOADS = {
     ],
 }
 VOCABULARY = {"llama-lora": 32000}  # the others: 256, bytes
+# On the synthetic arrays instead of tokens (plan_memory --accelerator): a wide MLP of 135 M
+# parameters.
+ARRAY_WORKLOADS = {
+    "mlp-wide": [
+        "model=wide_mlp",
+        "model.kwargs.d_model=1024",
+        "model.kwargs.hidden=8192",
+        "model.kwargs.depth=8",
+        "trainer.global_batch=4096",
+    ],
+}
 
 
 def workload_overrides(workload: str, tokens: Path, steps: int) -> list[str]:
+    if workload in ARRAY_WORKLOADS:
+        model_and_data = ARRAY_WORKLOADS[workload]
+    else:
+        vocabulary = VOCABULARY.get(workload, 256)
+        model_and_data = [
+            *WORKLOADS[workload],
+            "data=tokens",
+            f"data.path={tokens}",
+            f"data.vocab_size={vocabulary}",
+        ]
     return [
         *ACCELERATOR_COMMON,
-        *WORKLOADS[workload],
-        f"data.path={tokens}",
-        f"data.vocab_size={VOCABULARY.get(workload, 256)}",
+        *model_and_data,
         f"trainer.steps={steps}",
         f"trainer.log_interval={READ_EVERY}",
     ]

@@ -9,12 +9,14 @@ dots.
     python -m scripts.bench.plan_memory
 
 With --accelerator, on one device of this machine's accelerator instead: the built-in
-transformer at 86 M parameters and a keras-hub Llama of TinyLlama-1.1B's shape with LoRA
-(accelerator_loops' workloads), without remat, with dots and full: the plan's whole (state,
-gradients, activations) against what the hosts' own compiled step needs
-(training.host.memory), and whether each fits the device by the plan and by the compiler.
+transformer at 86 M parameters, a keras-hub Llama of TinyLlama-1.1B's shape with LoRA
+(accelerator_loops' workloads) and a wide MLP of 135 M parameters, without remat, with full
+and dots: what the hosts' own step, compiled on the live model, needs per device, against
+`training.plan`'s compiled figure (the same step compiled ahead of time from abstract state)
+and against its analytic estimate (state, gradients, activations), and whether it fits.
 
-    python -m scripts.bench.plan_memory --accelerator [--workloads=transformer-86M,llama-lora]
+    python -m scripts.bench.plan_memory --accelerator [--workloads=mlp-wide,transformer-86M]
+        [--remats=none,full]
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def plan_against_compiled() -> list[dict]:
     return rows
 
 
-def plan_against_accelerator(workloads: list[str]) -> list[dict]:
-    """The plan's peak against the hosts' compiled step on one accelerator device."""
+def plan_against_accelerator(workloads: list[str], remats: list[str]) -> list[dict]:
+    """On one accelerator device: `training.plan`'s compiled figure (the hosts' step compiled
+    ahead of time from abstract state) and its analytic estimate, against what the hosts' own
+    step compiled on the live model needs."""
     import tempfile
     from pathlib import Path
 
@@ -88,79 +92,105 @@ def plan_against_accelerator(workloads: list[str]) -> list[dict]:
 
     from training.config import compose_run_config
     from training.data import build_dataset
-    from training.events import OutOfDeviceMemory
-    from training.host.loop import CompiledStep, batch_shardings, place
-    from training.host.memory import memory_limit, out_of_memory_explained
     from training.parallel.dtypes import readable_bytes
     from training.parallel.mesh import MeshShape
     from training.parallel.strategy import Strategy
-    from training.planning.compiled import built_as_hosts_build
+    from training.planning.compiled import compile_ahead_of_time
     from training.planning.costs import abstract_model, memory_cost
 
     limit = memory_limit()
-    print("plan ÷ compiled on this machine's accelerator, one device")
+    print("training.plan ÷ the hosts' compiled step on this machine's accelerator, one device")
     print(f"  device {jax.devices()[0].device_kind}, {readable_bytes(limit or 0)} per device")
     print(
-        f"  {'model':18} {'remat':5} {'plan':>9} {'compiled':>9} {'ratio':>6}  fits: plan, compiler"
-        f"  (target {TARGET})"
+        f"  {'model':16} {'remat':5} {'hosts':>9} {'plan':>9} {'ratio':>6} {'estimate':>9}"
+        f" {'ratio':>6}  fits  (target {TARGET})"
     )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for workload in workloads:
             tokens = write_tokens(Path(scratch), workload)
-            for remat in REMATS:
+            for remat in remats:
                 cfg = compose_run_config(
                     [*workload_overrides(workload, tokens, 2), f"trainer.remat={remat}"]
                 )
-                spec = build_dataset(cfg.data).spec
-                batch = cfg.trainer.micro_batch
-                planned = memory_cost(
+                estimate = memory_cost(
                     cfg,
-                    abstract_model(cfg, spec),
+                    abstract_model(cfg, build_dataset(cfg.data).spec),
                     Strategy.of(cfg.strategy, "data_parallel"),
                     MeshShape(1, 1),
-                    batch,
+                    cfg.trainer.micro_batch,
                 ).total_bytes
                 keras.backend.clear_session()
-                model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))
-                x = dataset.batch("train", 0, batch, slice(0, batch))
-                runner = CompiledStep(model, cfg.trainer.accumulate, 0)
-                try:
-                    with out_of_memory_explained("by the compiler"):
-                        runner.compile(place(x, batch_shardings(x)))
-                    needed = runner.memory.needed
-                except OutOfDeviceMemory as refused:
-                    needed = refused.needed
-                del model, runner
-                ratio = f"{planned / needed:6.2f}" if needed else "     -"
-                fits = [
-                    "yes" if limit is None or planned <= limit else "no",
-                    "yes" if needed and (limit is None or needed <= limit) else "no",
-                ]
+                plan = compiled_need(
+                    lambda cfg=cfg: compile_ahead_of_time(cfg, MeshShape(1, 1)).memory.needed
+                )
+                keras.backend.clear_session()
+                hosts = compiled_need(lambda cfg=cfg: hosts_step_need(cfg))
                 print(
-                    f"  {workload:18} {remat:5} {readable_bytes(planned):>9} "
-                    f"{readable_bytes(needed or 0):>9} {ratio}  {', '.join(fits)}",
+                    f"  {workload:16} {remat:5} {readable_bytes(hosts or 0):>9}"
+                    f" {readable_bytes(plan or 0):>9} {ratio(plan, hosts)}"
+                    f" {readable_bytes(estimate):>9} {ratio(estimate, hosts)}"
+                    f"  {'yes' if hosts and (limit is None or hosts <= limit) else 'no'}",
                     flush=True,
                 )
                 rows.append(
                     {
                         "workload": workload,
                         "remat": remat,
-                        "plan": planned,
-                        "compiled": needed,
+                        "hosts_compiled": hosts,
+                        "plan_compiled": plan,
+                        "estimate": estimate,
                         "limit": limit,
                     }
                 )
     return rows
 
 
+def hosts_step_need(cfg) -> int:
+    """What the step `host/loop.py` compiles for the live model needs per device."""
+    from training.host.loop import CompiledStep, batch_shardings, place
+    from training.parallel.mesh import MeshShape
+    from training.planning.compiled import built_as_hosts_build
+
+    model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))
+    rows = cfg.trainer.micro_batch
+    x = dataset.batch("train", 0, rows, slice(0, rows))
+    runner = CompiledStep(model, cfg.trainer.accumulate, 0)
+    runner.compile(place(x, batch_shardings(x)))
+    return runner.memory.needed
+
+
+def compiled_need(compile) -> int | None:
+    """`compile()`'s bytes per device, or those the compiler's refusal names (None where it
+    names none)."""
+    from training.events import OutOfDeviceMemory
+    from training.host.memory import out_of_memory_explained
+
+    try:
+        with out_of_memory_explained("by the compiler"):
+            return compile()
+    except OutOfDeviceMemory as refused:
+        return refused.needed
+
+
+def memory_limit() -> int | None:
+    from training.host.memory import memory_limit
+
+    return memory_limit()
+
+
+def ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:6.2f}" if numerator and denominator else "     -"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", action="store_true")
-    parser.add_argument("--workloads", default="transformer-86M,llama-lora")
+    parser.add_argument("--workloads", default="mlp-wide,transformer-86M,llama-lora")
+    parser.add_argument("--remats", default=",".join(REMATS))
     args = parser.parse_args()
     if args.accelerator:
-        rows = plan_against_accelerator(args.workloads.split(","))
+        rows = plan_against_accelerator(args.workloads.split(","), args.remats.split(","))
     else:
         use_eight_cpu_devices()
         rows = plan_against_compiled()

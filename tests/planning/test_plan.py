@@ -157,6 +157,35 @@ def test_a_model_the_walk_cannot_trace_is_a_plan_warning_naming_the_error_and_fa
     assert "estimated as the outputs its top-level layers recorded" in warning
 
 
+# What a TPU's compiler raises for a step over its memory (the chip's own wording).
+TPU_REFUSAL = (
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+    "hbm. Used 19.30G of 15.75G hbm. Exceeded hbm capacity by 3.55G."
+)
+
+
+def test_a_step_the_compiler_refuses_is_the_plans_answer_not_a_traceback(monkeypatch):
+    """On an accelerator, compiling a step over its memory raises: the plan reports the
+    compiler's figures (the run would stop there) and still prints its table."""
+    from training import plan as plan_cli
+
+    def refuse(cfg, mesh):
+        raise RuntimeError(TPU_REFUSAL)
+
+    monkeypatch.setattr(plan_cli, "compile_ahead_of_time", refuse)
+    plan = make_plan(run_config(["trainer.global_batch=64"]), compile=True)
+    assert plan.compiled is None
+    assert round(plan.refused.needed / 1024**3, 2) == 19.30
+    (warning,) = plan.warnings
+    assert warning.startswith("the training step needs 20.72 GB per device"), warning
+    assert warning.endswith(
+        "by the compiler (RESOURCE_EXHAUSTED: XLA:TPU compile permanent "
+        "error. Ran out of memory in memory space hbm. Used 19.30G of "
+        "15.75G hbm. Exceeded hbm capacity by 3.55G.): a run stops there, "
+        "before its first step"
+    ), warning
+
+
 def test_plan_needs_the_cluster_size():
     with pytest.raises(ConfigError, match="cluster.hosts is read from the running cluster"):
         make_plan(run_config(["cluster=ray"]))
