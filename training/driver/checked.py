@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from training.config import ConfigError, RunConfig, TrainerConfig
+from training.config.common import names_object
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
+from training.models.locate import check_found
 from training.parallel.mesh import MeshShape, resolve_mesh, settled
 from training.parallel.strategy import Strategy
 from training.planning import auto_layout
@@ -39,11 +41,28 @@ class Checked:
 
 
 def check_sizes(cfg: RunConfig) -> MeshShape:
-    """The instant checks: the mesh against the cluster, the batch against the mesh."""
+    """The instant checks: the modules the config names exist, the mesh against the
+    cluster, the batch against the mesh."""
+    for key, path in named_objects(cfg):
+        check_found(key, path)
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(Strategy.of(cfg.strategy), cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)
     return mesh
+
+
+def named_objects(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(config key, `module:function`) for each Python object the config names."""
+    model = cfg.model
+    named = [
+        ("model.build", model.build),
+        ("model.layout", model.layout),
+        ("model.loss", model.loss),
+        ("optimizer.schedule", cfg.optimizer.schedule),
+        *(("model.metrics", name) for name in model.metrics),
+        *(("model.weighted_metrics", name) for name in model.weighted_metrics),
+    ]
+    return [(key, path) for key, path in named if path and names_object(path)]
 
 
 def check_global_batch(trainer: TrainerConfig, mesh: MeshShape, hosts: int) -> None:
