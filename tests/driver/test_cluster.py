@@ -7,7 +7,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import site
 import subprocess
 import sys
@@ -492,39 +491,26 @@ def test_a_local_ray_instance_has_room_for_a_spare_host_group(monkeypatch):
 
 
 @pytest.mark.ray
-def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
+def test_a_local_runs_coordinator_listens_on_loopback_only(ray_cluster):
     """Host 0's `jax.distributed` coordinator (an unauthenticated gRPC server) takes no
-    connection from the machine's network on a local run. Ray's own servers are not ours to
-    bind: Ray 2.60 resolves a loopback node address to the machine's address."""
+    connection from the machine's network on a local run: a local run's host group placed
+    and joined as a run does it, and host 0's listening sockets read from the system. Ray's
+    own servers are not ours to bind: Ray 2.60 resolves a loopback node address to the
+    machine's address."""
+    from training.driver.hosts import request_hosts
 
-    run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    driver = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "training.run", f"hydra.run.dir={run}"),
-            *("trainer.steps=100000", "trainer.log_interval=1", "trainer.eval_batches=0"),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    group = request_hosts(run_config([]).cluster, 120)
     try:
-        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline and driver.poll() is None
-            time.sleep(0.2)
-        processes = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(True)]
+        group.wait_placed(print)
+        host_0 = psutil.Process(group.identities(120)[0]["pid"])
+        coordinator = group.join(120)
         listening = {
             (connection.laddr.ip, connection.laddr.port)
-            for process in processes
-            for connection in _connections(process)
+            for connection in _connections(host_0)
             if connection.status == psutil.CONN_LISTEN
         }
     finally:
-        driver.send_signal(signal.SIGINT)
-        driver.wait(timeout=120)
-    coordinator = json.loads((run / "summary.json").read_text())["coordinator"]
+        group.shutdown()
     host, port = coordinator.rsplit(":", 1)
     assert host == "127.0.0.1"
     bound = {ip_address(ip) for ip, p in listening if p == int(port)}
@@ -532,7 +518,6 @@ def test_a_local_runs_coordinator_listens_on_loopback_only(tmp_path):
 
 
 def _connections(process) -> list:
-
     try:
         return process.net_connections(kind="inet")
     except psutil.Error:  # a process that ended meanwhile
