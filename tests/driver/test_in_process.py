@@ -36,10 +36,42 @@ WITHOUT_RAY = (
 )
 
 
-def test_a_run_and_a_sweep_in_process_need_no_ray(tmp_path):
+def test_a_run_and_a_sweep_in_process_need_no_ray_and_run_again_train_nothing(tmp_path):
     """The README's main command with cluster=inprocess, as a 2-trial sweep: each trial in
     the sweep's own process, one after the other, with its checks, progress, export and
-    summary, and the sweep's table."""
+    summary, and the sweep's table. Run again as it was, each trial resumes from its own
+    checkpoints, which already reach trainer.steps: complete, with the figures its
+    checkpoint kept, and nothing trained."""
+    checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    sweep_without_ray(tmp_path / "sweep", checkpoints, "checkpoint.interval=2")
+    rows = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())["rows"]
+    assert [row["status"] for row in rows] == ["completed", "completed"]
+    summaries = []
+    for trial in ("0", "1"):
+        summary = json.loads((tmp_path / "sweep" / trial / "summary.json").read_text())
+        assert summary["hosts"] == 1 and summary["devices_total"] == 8
+        assert summary["rows_fed_checked_steps"] == len(summary["logged_steps"]) == 3
+        assert Path(summary["exported_model"]).is_file()
+        assert "host 0 on" in (tmp_path / "sweep" / trial / "run.log").read_text()
+        summaries.append(summary)
+
+    again = sweep_without_ray(tmp_path / "again", checkpoints, "checkpoint.interval=2")
+    assert again.stdout.count("nothing left to train") == 2, again.stdout
+    for trial, summary in enumerate(summaries):
+        redone = json.loads((tmp_path / "again" / str(trial) / "summary.json").read_text())
+        assert redone["status"] == "completed" and redone["nothing_left_to_train"]
+        assert redone["logged_steps"] == []
+        assert (redone["final_loss"], redone["eval_loss"]) == (
+            summary["final_loss"],
+            summary["eval_loss"],
+        )
+    rows = json.loads((tmp_path / "again" / "sweep_summary.json").read_text())["rows"]
+    assert sorted(r["final_loss"] for r in rows) == sorted(s["final_loss"] for s in summaries)
+
+
+def sweep_without_ray(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A 2-trial in-process sweep of the small MLP, in a process where Ray cannot be
+    imported."""
     done = subprocess.run(
         [
             sys.executable,
@@ -48,23 +80,17 @@ def test_a_run_and_a_sweep_in_process_need_no_ray(tmp_path):
             "-m",
             *IN_PROCESS,
             *FAST,
+            *overrides,
             "optimizer.learning_rate=1e-3,3e-3",
-            f"hydra.sweep.dir={tmp_path}",
+            f"hydra.sweep.dir={sweep_dir}",
         ],
-        cwd=tmp_path,
+        cwd=sweep_dir.parent,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "sweep_summary.json").read_text())["rows"]
-    assert [row["status"] for row in rows] == ["completed", "completed"]
-    for trial in ("0", "1"):
-        summary = json.loads((tmp_path / trial / "summary.json").read_text())
-        assert summary["hosts"] == 1 and summary["devices_total"] == 8
-        assert summary["rows_fed_checked_steps"] == len(summary["logged_steps"]) == 3
-        assert Path(summary["exported_model"]).is_file()
-        assert "host 0 on" in (tmp_path / trial / "run.log").read_text()
+    return done
 
 
 def test_an_in_process_run_trains_as_one_device_does_and_writes_its_figures(tmp_path):
