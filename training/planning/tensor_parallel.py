@@ -112,11 +112,31 @@ def _split_dim(axes: tuple[str | None, ...]):
     return axes.index("model") if "model" in axes else REPLICATED
 
 
+class RuleLayout:
+    """Each weight's layout as the rules give it: what a walk asks of its `layout`. An
+    automatic layout (`training.planning.auto_layout`) answers the same questions by
+    choosing each weight's layout on first sight."""
+
+    def __init__(self, rules: Rules):
+        self.rules = rules
+
+    def kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
+        """A contraction's kernel, given the letter its input is split on (None: whole)."""
+        return rule_axes(kernel.path, self.rules)
+
+    def table_axes(self, table):
+        """An embedding table looked up by token ids."""
+        return rule_axes(table.path, self.rules)
+
+    def weight_axes(self, weight):
+        """A weight of a layer with no known contraction."""
+        return rule_axes(weight.path, self.rules)
+
+
 class Derivation:
     """The walk of a layer graph that counts the collectives, as the module describes. The
-    layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`: an
-    automatic layout (`training.planning.auto_layout`) overrides them to choose the layout
-    as it walks. Each output's state is recorded by `set_output`, and for the layers of
+    layout of each weight comes from `layout` (the rules' by default); the output rules'
+    from `rules`. Each output's state is recorded by `set_output`, and for the layers of
     `layer_paths` the output rules that would hold it (`found_output_rules`)."""
 
     def __init__(
@@ -126,8 +146,10 @@ class Derivation:
         examples: int,
         value_bytes: int,
         layer_paths: frozenset[str] = frozenset(),
+        layout=None,
     ):
         self.rules = rules
+        self.layout = layout or RuleLayout(rules)
         self.n = n
         self.examples = examples
         self.value_bytes = value_bytes
@@ -243,20 +265,6 @@ class Derivation:
             for key, found in self.found_outputs.items()
             if len(found) == 1 and () not in found
         }
-
-    # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
-
-    def kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
-        """A contraction's kernel, given the letter its input is split on (None: whole)."""
-        return rule_axes(kernel.path, self.rules)
-
-    def table_axes(self, table):
-        """An embedding table looked up by token ids."""
-        return rule_axes(table.path, self.rules)
-
-    def weight_axes(self, weight):
-        """A weight of a layer with no known contraction."""
-        return rule_axes(weight.path, self.rules)
 
     # -- layers -------------------------------------------------------------------------------
 
@@ -375,7 +383,7 @@ class Derivation:
         k_subs, y_subs = rest.split("->")
         state = self._whole_or_split(x, path)
         x_letter = x_subs[state] if state is not REPLICATED else None
-        split = _split_dim(self.kernel_axes(kernel, k_subs, x_letter, y_subs))
+        split = _split_dim(self.layout.kernel_axes(kernel, k_subs, x_letter, y_subs))
         letter = k_subs[split] if split is not REPLICATED else None
         if letter is None:
             if x_letter is None:
@@ -434,7 +442,7 @@ class Derivation:
 
     def _embedding(self, layer, x, y, path: str) -> None:
         if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
-            split = _split_dim(self.table_axes(layer.embeddings))
+            split = _split_dim(self.layout.table_axes(layer.embeddings))
             state = {REPLICATED: REPLICATED, 0: PARTIAL, 1: len(y.shape) - 1}[split]
             self._whole(x, path)
             self.set_output(path, y, state)
@@ -487,7 +495,7 @@ class Derivation:
         of the user's own whose weights, if split, are treated as elementwise operands when
         their shape broadcasts to the output's, else gathered."""
         weights = [w for w in getattr(layer, "weights", None) or [] if w is not None]
-        split_weights = [w for w in weights if "model" in self.weight_axes(w)]
+        split_weights = [w for w in weights if "model" in self.layout.weight_axes(w)]
         shapes = {tuple(t.shape) for t in outs}
         elementwise = len(shapes) == 1 and all(
             _broadcasts(t.shape, next(iter(shapes))) for t in ins
@@ -499,7 +507,7 @@ class Derivation:
                 operands.append(state - len(t.shape))
         for w in split_weights:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
-                operands.append(_split_dim(self.weight_axes(w)) - len(w.shape))
+                operands.append(_split_dim(self.layout.weight_axes(w)) - len(w.shape))
             else:
                 self.found += gathered_weight(w.path, array_bytes(w.shape, w.dtype), self.n)
         reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
