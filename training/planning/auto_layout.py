@@ -2,7 +2,8 @@
 
 The model (abstract: shapes, no weights) is walked along its layer graph as
 `training.planning.tensor_parallel` follows it, keeping each activation's state on the model
-axis, and each weight's layout is chosen when the walk first reaches it:
+axis, and each weight's layout is chosen when the walk first asks for it (this module's
+chooser is the walk's layout):
 
 - a projection (Dense, EinsumDense, attention's projections, a reversed embedding) whose input
   arrives split on a dimension it contracts is split there (row split): each device multiplies
@@ -31,7 +32,6 @@ import re
 from dataclasses import dataclass
 
 from training import keras_compat
-from training.config import RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
 from training.models import SPLIT_THRESHOLD_BYTES, rule_axes
 from training.planning import layer_graph
@@ -87,15 +87,6 @@ def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> Auto
     chooser.split_biases(model)
     chooser.split_small_matrices()
     return chooser.result(model, walk.found_output_rules(), paths)
-
-
-def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
-    """The auto layout of the configured model, built abstractly."""
-    from training import models
-    from training.data import build_dataset
-
-    model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
-    return derive(model, mesh_model, cfg.strategy.layout_rules)
 
 
 class _Chooser:
