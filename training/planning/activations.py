@@ -1,6 +1,6 @@
-"""What a training step holds besides its state, per device, derived from the model's layer
-graph as `training.planning.tensor_parallel` follows it (with each activation's split over the
-model axis):
+"""What a training step holds besides its state, per device, summed from the records of
+`training.planning.tensor_parallel`'s walk of the model's layer graph (with each activation's
+split over the model axis):
 
 - the activations the backward pass keeps: the output of every contraction (a Dense,
   EinsumDense or Embedding, an einsum or matmul of activations, attention), of every other

@@ -43,6 +43,12 @@ collective that makes an input so, or that its backward pass needs, is counted:
 
 A model without a graph to follow (a subclassed model whose `call` cannot run on symbolic
 tensors) falls back to that last rule for every split weight.
+
+The walk asks a layout for each weight's axes: the rules', or one that chooses them as it
+goes (`training.planning.auto_layout`). It lists what it found, in order, as plain records
+(the nodes it entered and left with their tensors' states and bytes, each contraction, the
+tensors computed split as they are read): `training.planning.activations` sums from them
+what the backward pass keeps.
 """
 
 from __future__ import annotations
@@ -163,32 +169,29 @@ class MadeInside:
     made: Value
 
 
+@dataclass(frozen=True)
 class RuleLayout:
-    """Each weight's layout as the rules give it: what a walk asks of its `layout`. An
-    automatic layout (`training.planning.auto_layout`) answers the same questions by
-    choosing each weight's layout on first sight."""
+    """Each weight's axes as the rules give them. A walk asks its `layout` for those of a
+    contraction's kernel (`kernel_axes(kernel, kernel_subs, input_letter, output_subs)`,
+    given the letter its input is split on, None where whole), of an embedding table looked
+    up by token ids (`table_axes(table)`) and of a weight of a layer with no known
+    contraction (`weight_axes(weight)`). An automatic layout (`training.planning.auto_layout`)
+    answers by choosing each weight's layout on first sight."""
 
-    def __init__(self, rules: Rules):
-        self.rules = rules
+    rules: Rules
 
-    def kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
-        """A contraction's kernel, given the letter its input is split on (None: whole)."""
-        return rule_axes(kernel.path, self.rules)
-
-    def table_axes(self, table):
-        """An embedding table looked up by token ids."""
-        return rule_axes(table.path, self.rules)
-
-    def weight_axes(self, weight):
-        """A weight of a layer with no known contraction."""
+    def weight_axes(self, weight, *contraction):
         return rule_axes(weight.path, self.rules)
+
+    kernel_axes = table_axes = weight_axes
 
 
 class Derivation:
     """The walk of a layer graph that counts the collectives, as the module describes. The
-    layout of each weight comes from `layout` (the rules' by default); the output rules'
+    layout of each weight comes from `layout` (the rules' by default), that of the outputs
     from `rules`. Each output's state is recorded by `set_output`, and for the layers of
-    `layer_paths` the output rules that would hold it (`found_output_rules`)."""
+    `layer_paths` the output rules that would hold it (`found_output_rules`). What it
+    found is listed, in order, in `records`."""
 
     def __init__(
         self,
