@@ -36,12 +36,19 @@ from training.driver.display import print_layout
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning import collectives
-from training.planning.auto_layout import REPLICATED_BELOW, derive, derive_for_config
+from training.planning.auto_layout import REPLICATED_BELOW, AutoLayout, derive
 from training.planning.compiled import measure_step
 from training.planning.costs import abstract_model, strategy_cost
+from training.planning.layout import resolve_layout
 from training.planning.tensor_parallel import model_axis_collectives
 
 N = 4  # the model axis of a (2, 4) mesh
+
+
+def derived(cfg, mesh: MeshShape) -> AutoLayout:
+    """strategy.layout=auto's derivation for the configured model, as the plan resolves it."""
+    model = abstract_model(cfg, build_dataset(cfg.data).spec)
+    return resolve_layout(Strategy.of(cfg.strategy), mesh, model.key).derived
 
 
 def sent(model, rules, examples=8) -> float:
@@ -139,10 +146,9 @@ def test_a_model_without_rules_has_its_large_kernels_split_in_the_live_arrays(tm
         )
         from training.build import build_on_grid
         from training.parallel.mesh import device_grid, settled
-        from training.planning.auto_layout import derive_for_config
 
         mesh = MeshShape(2, 4)
-        cfg = settled(cfg, derive_for_config(cfg, mesh.model).rules)
+        cfg = settled(cfg, derived(cfg, mesh).rules)
         model, _ = build_on_grid(cfg, device_grid(jax.devices(), mesh))
         shards = {v.path: v.value.addressable_shards[0].data.shape for v in model.variables}
     finally:
@@ -193,12 +199,12 @@ def test_an_unknown_layout_is_a_config_error():
 def test_the_printed_rules_are_one_override_that_a_narrow_terminal_does_not_break():
     """Copied from what the run and `training.plan` print in a 60-column terminal, the line
     gives the model exactly the rules auto derived."""
-    derived = derive_for_config(run_config(["strategy=hybrid", "strategy.layout=auto"]), N)
+    layout = derived(run_config(["strategy=hybrid", "strategy.layout=auto"]), MeshShape(2, N))
     console = Console(width=60, record=True, file=io.StringIO())
-    print_layout(derived, console)
+    print_layout(layout, console)
     prefix = "to edit them: "
     lines = console.export_text().splitlines()
     line = next(line for line in lines if line.startswith(prefix))
     copied = run_config(["strategy=hybrid", *shlex.split(line.removeprefix(prefix))])
     assert copied.strategy.layout == "model" and copied.model.layout == ""
-    assert {p: tuple(a) for p, a in copied.model.layout_rules.items()} == derived.rules
+    assert {p: tuple(a) for p, a in copied.model.layout_rules.items()} == layout.rules

@@ -1,6 +1,6 @@
-"""What a training step holds besides its state, per device, derived from the model's layer
-graph as `training.planning.tensor_parallel` follows it (with each activation's split over the
-model axis):
+"""What a training step holds besides its state, per device, summed from the records of
+`training.planning.tensor_parallel`'s walk of the model's layer graph (with each activation's
+split over the model axis):
 
 - the activations the backward pass keeps: the output of every contraction (a Dense,
   EinsumDense or Embedding, an einsum or matmul of activations, attention), of every other
@@ -50,7 +50,16 @@ from itertools import accumulate
 from training import keras_compat
 from training.models.remat import keeps_projections
 from training.planning import layer_graph
-from training.planning.tensor_parallel import PARTIAL, REPLICATED, Derivation, Rules
+from training.planning.tensor_parallel import (
+    Contraction,
+    Derivation,
+    Entered,
+    Left,
+    MadeInside,
+    Rules,
+    SplitAsRead,
+    Value,
+)
 
 BACKWARD_WORKSPACE = 2  # gradients of the largest kept tensor's size live at once
 
@@ -108,11 +117,14 @@ def activation_bytes(
     graph = layer_graph.graph(model)
     if graph is None:
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
-    walk = _Kept(rules, mesh_model, examples, value_bytes)
+    walk = Derivation(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    walk.settle_remat_outputs()
-    segments = tuple(walk.segments)
-    return Activations(sum(s.kept for s in segments), walk.largest, segments)
+    tally = _Tally(mesh_model)
+    for record in walk.records:
+        tally.add(record)
+    tally.settle_remat_outputs()
+    segments = tuple(tally.segments)
+    return Activations(sum(s.kept for s in segments), tally.largest, segments)
 
 
 def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
@@ -127,36 +139,45 @@ def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
     )
 
 
-class _Kept(Derivation):
-    """The derivation's walk, summing per segment the bytes of the tensors the backward pass
-    keeps and recomputes."""
+class _Tally:
+    """The walk's records, in order, summed per segment into the bytes of the tensors the
+    backward pass keeps and recomputes on each of `n` devices."""
 
-    def __init__(self, rules: Rules, n: int, examples: int, value_bytes: int):
-        super().__init__(rules, n, examples, value_bytes)
+    def __init__(self, n: int):
+        self.n = n
         self.largest = 0.0
-        # id -> the tensor (kept alive, so that no later tensor of a layer's graph traced for
-        # the walk and then dropped reuses a counted one's id), the segment that made it,
-        # whether it is recomputed there, its bytes per device as counted
-        self.counted: dict[int, tuple[object, Segment, bool, float]] = {}
-        self.copied: dict[int, object] = {}
-        self.producer = None  # the operation whose outputs are being recorded
-        self.remat_layer: str | None = None  # the outermost rematerialised layer walked
+        # id of a tensor (the records hold it) -> the segment that made it, whether it is
+        # recomputed there, its bytes per device as counted
+        self.counted: dict[int, tuple[Segment, bool, float]] = {}
+        self.copied: set[int] = set()  # whole inputs of partitioned contractions
+        self.remat_layer: str | None = None  # the outermost rematerialised layer entered
         self.remat_keeps_projections = False  # that layer's (trainer.remat=dots)
+        self.entered: list[tuple[str | None, bool]] = []  # per node open: the remat_layer
+        # it was entered in, and whether it is the one entering a rematerialised layer
         self.segments = [Segment()]
         self.last_used: dict[str, Segment] = {}  # weight path -> the segment that used it last
-        # id of a layer's output -> the tensor its own graph made it from (walked inside)
-        self.made_inside: dict[int, object] = {}
-        # id -> a whole tensor XLA splits as a kernel reads it (`_split_as_read`)
-        self.split_as_read: dict[int, object] = {}
-        self.counted_split: set[int] = set()  # id of a counted tensor (held) counted split
-        self.kernel_was_gathered = False  # by the contraction being walked
+        self.made_inside: dict[int, Value] = {}  # id of a layer's output -> what made it
+        self.counted_split: set[int] = set()  # ids of counted tensors counted split
         # each rematerialised layer's segment and outputs (see `settle_remat_outputs`)
-        self.remat_outputs: list[tuple[Segment, list]] = []
+        self.remat_outputs: list[tuple[Segment, list[Value]]] = []
 
-    def _node(self, node) -> None:
-        layer = node.operation
+    def add(self, record) -> None:
+        match record:
+            case Entered():
+                self._enter(record.node.operation, record.inputs)
+            case Left():
+                self._leave(record.node, record.outputs)
+            case Contraction():
+                self._contraction(record.input, record.partitioned)
+            case SplitAsRead():
+                self._count_split(self._made(record.value))
+            case MadeInside():
+                self.made_inside[id(record.output)] = record.made
+
+    def _enter(self, layer, inputs: tuple[Value, ...]) -> None:
         outer = self.remat_layer
         entered = outer is None and keras_compat.is_rematerialised(layer)
+        self.entered.append((outer, entered))
         if entered:
             self.remat_layer = getattr(layer, "path", None) or layer.name
             self.remat_keeps_projections = keeps_projections(layer)
@@ -168,26 +189,22 @@ class _Kept(Derivation):
             # jax.checkpoint saves), and a contraction's or a norm's outside one, where a
             # rematerialised layer made them. A residual sum, the usual reader of a
             # rematerialised layer's outputs, reads none.
-            for tensor in node.input_tensors:
-                if id(tensor) in self.differentiated:
+            for value in inputs:
+                if value.differentiated:
                     if entered:
-                        self._record(self._made(tensor), recomputed=False)
-                    self._reclassify(self._made(tensor), recomputed=False)
-        try:
-            self.producer = layer
-            super()._node(node)
-            self.producer = layer  # inner nodes walked in between
-            self._count(node)
-            if entered:
-                for tensor in node.outputs:
-                    self._reclassify(self._made(tensor), recomputed=True)
-                self.remat_outputs.append(
-                    (self.segments[-1], [self._made(t) for t in node.outputs])
-                )
-        finally:
-            self.remat_layer = outer
-            if entered:
-                self.segments.append(Segment())
+                        self._record(self._made(value), recomputed=False)
+                    self._reclassify(self._made(value), recomputed=False)
+
+    def _leave(self, node, outputs: tuple[Value, ...]) -> None:
+        outer, entered = self.entered.pop()
+        self._count(node, outputs)
+        if entered:
+            made = [self._made(value) for value in outputs]
+            for value in made:
+                self._reclassify(value, recomputed=True)
+            self.remat_outputs.append((self.segments[-1], made))
+            self.segments.append(Segment())
+        self.remat_layer = outer
 
     def settle_remat_outputs(self) -> None:
         """Once the walk is over: a rematerialised layer's outputs that nothing after it
@@ -195,13 +212,12 @@ class _Kept(Derivation):
         dead recomputation); the gradient arriving at them is live instead, beside what it
         makes again."""
         for segment, outputs in self.remat_outputs:
-            for tensor in outputs:
-                size = self._device_bytes(tensor)
-                entry = self.counted.get(id(tensor))
-                if entry is not None and entry[1] is segment and entry[2]:
-                    segment.recomputed -= entry[3]
-                    self.counted[id(tensor)] = (*entry[:3], 0.0)
-                segment.arriving_gradients += size
+            for value in outputs:
+                entry = self.counted.get(id(value.tensor))
+                if entry is not None and entry[0] is segment and entry[1]:
+                    segment.recomputed -= entry[2]
+                    self.counted[id(value.tensor)] = (*entry[:2], 0.0)
+                segment.arriving_gradients += self._device_bytes(value)
 
     def _use_weights(self, layer) -> None:
         """The layer (its sublayers too) uses its trainable weights: the latest use so far."""
@@ -212,119 +228,84 @@ class _Kept(Derivation):
             self.segments[-1].weights.append(weight.path)
             self.last_used[weight.path] = self.segments[-1]
 
-    def _inner(self, inner, ins, outs, path: str) -> None:
-        super()._inner(inner, ins, outs, path)
-        for outer, made in zip(outs, inner.outputs, strict=False):
-            self.made_inside[id(outer)] = made
-
-    def _made(self, tensor):
+    def _made(self, value: Value) -> Value:
         """The tensor as counted: a layer walked inside counts its own graph's output."""
-        while id(tensor) in self.made_inside:
-            tensor = self.made_inside[id(tensor)]
-        return tensor
+        while id(value.tensor) in self.made_inside:
+            value = self.made_inside[id(value.tensor)]
+        return value
 
-    def _count(self, node) -> None:
-        """Record the outputs of the current producer: kept, or (inside a rematerialised
-        layer) made again in its backward pass."""
+    def _count(self, node, outputs: tuple[Value, ...]) -> None:
+        """Record a node's outputs: kept, or (inside a rematerialised layer) made again in
+        its backward pass."""
         if _identity(node):
             return
-        keeps = _keeps_output(self.producer)
-        for tensor in node.outputs:
-            whole = self._get(tensor) in (REPLICATED, PARTIAL)
+        producer = node.operation
+        keeps = _keeps_output(producer)
+        for value in outputs:
             # what no gradient flows through (a mask made from the token ids) fuses into
             # its readers
-            differentiated = id(tensor) in self.differentiated
-            materialised = self.n > 1 and whole and differentiated and _leaf(self.producer)
-            if keeps or materialised:
-                self._record(tensor, self._recomputed())
+            materialised = self.n > 1 and value.whole and value.differentiated
+            if keeps or (materialised and _leaf(producer)):
+                self._record(value, self._recomputed(producer))
 
-    def _record(self, tensor, recomputed: bool) -> None:
+    def _record(self, value: Value, recomputed: bool) -> None:
         """Count the tensor once, in the segment that makes it."""
-        if id(tensor) in self.counted:
+        if id(value.tensor) in self.counted:
             return
         segment = self.segments[-1]
-        size = self._device_bytes(tensor)
-        self.counted[id(tensor)] = (tensor, segment, recomputed, size)
+        size = self._device_bytes(value)
+        self.counted[id(value.tensor)] = (segment, recomputed, size)
         self.largest = max(self.largest, size)
         if recomputed:
             segment.recomputed += size
         else:
             segment.kept += size
 
-    def _reclassify(self, tensor, recomputed: bool) -> None:
+    def _reclassify(self, value: Value, recomputed: bool) -> None:
         """A counted tensor, kept or made again in the segment that made it, as a later
         layer finds: a rematerialised layer saves its inputs, and makes its outputs again (even
         a projection's, which `dots` keeps inside it) in a backward pass that does not read
         them."""
-        if id(tensor) not in self.counted:
+        entry = self.counted.get(id(value.tensor))
+        if entry is None or entry[1] == recomputed:
             return
-        _, segment, was_recomputed, size = self.counted[id(tensor)]
-        if was_recomputed == recomputed:
-            return
+        segment, _, size = entry
         moved = size * (1 if recomputed else -1)
         segment.kept -= moved
         segment.recomputed += moved
-        self.counted[id(tensor)] = (tensor, segment, recomputed, size)
+        self.counted[id(value.tensor)] = (segment, recomputed, size)
 
-    def _device_bytes(self, tensor) -> float:
-        whole = self._get(tensor) in (REPLICATED, PARTIAL)
-        return self._bytes(tensor) / (1 if whole else self.n)
+    def _device_bytes(self, value: Value) -> float:
+        return value.bytes / (1 if value.whole else self.n)
 
-    def _recomputed(self) -> bool:
-        """Whether the current producer's outputs are made again in the backward pass."""
+    def _recomputed(self, producer) -> bool:
+        """Whether the producer's outputs are made again in the backward pass."""
         if self.remat_layer is None:
             return False
-        return not (self.remat_keeps_projections and _projection(self.producer))
+        return not (self.remat_keeps_projections and _projection(producer))
 
-    def _einsum(self, equation: str, x, kernel, y, path: str):
-        """A contraction; with a model axis, the copy XLA makes of a whole input is kept
-        too, once per input however many contractions read it."""
-        self.kernel_was_gathered = False
-        state = super()._einsum(equation, x, kernel, y, path)
-        partitioned = not self.kernel_was_gathered and id(x) not in self.split_as_read
-        whole = self._get(x) in (REPLICATED, PARTIAL) and partitioned
-        if self.n > 1 and whole and self.remat_layer is None and id(x) not in self.copied:
-            self.copied[id(x)] = x
-            self.segments[-1].kept += self._bytes(x)
-        return state
+    def _contraction(self, x: Value, partitioned: bool) -> None:
+        """With a model axis, the copy XLA makes of a whole input of a partitioned dot is
+        kept too, once per input however many contractions read it."""
+        copies = self.n > 1 and x.whole and partitioned and self.remat_layer is None
+        if copies and id(x.tensor) not in self.copied:
+            self.copied.add(id(x.tensor))
+            self.segments[-1].kept += x.bytes
 
-    def _kernel_gathered(self, x, kernel, y, path: str) -> bool:
-        """Where the kernel is gathered, the dot is not partitioned: no copy of its input."""
-        self.kernel_was_gathered = super()._kernel_gathered(x, kernel, y, path)
-        return self.kernel_was_gathered
-
-    def _split_as_read(self, x, dim: int) -> None:
-        """XLA splits the input as the kernel that reads it, and back from it each tensor
-        it is made from that has a dimension of that size at that position, up to those an
-        output rule holds (sliced there): attention, between the query, key and value
-        projections and the output projection that splits its heads. Each is counted split,
-        those the rules hold too: what the backward pass keeps of them is the slice."""
-        found = [(x, dim)]
-        while found:
-            tensor, dim = found.pop()
-            if id(tensor) in self.split_as_read:
-                continue
-            self._count_split(self._made(tensor))
-            self.split_as_read[id(tensor)] = tensor
-            if id(tensor) in self.ruled:
-                continue  # kept as sliced: what reads it reads it split
-            for source in _sources(tensor):
-                shape, source_shape = self._shape(tensor), self._shape(source)
-                whole = self._get(source) in (REPLICATED, PARTIAL)
-                if whole and len(source_shape) == len(shape) and source_shape[dim] == shape[dim]:
-                    found.append((source, dim))
-
-    def _count_split(self, tensor) -> None:
-        if id(tensor) not in self.counted or id(tensor) in self.counted_split:
+    def _count_split(self, value: Value) -> None:
+        """A tensor XLA computes split as a kernel reads it (`Derivation._split_as_read`),
+        those the rules hold too: what the backward pass keeps of it is the slice."""
+        entry = self.counted.get(id(value.tensor))
+        if entry is None or id(value.tensor) in self.counted_split:
             return
-        self.counted_split.add(id(tensor))
-        _, segment, recomputed, size = self.counted[id(tensor)]
+        self.counted_split.add(id(value.tensor))
+        segment, recomputed, size = entry
         saved = size * (1 - 1 / self.n)
         if recomputed:
             segment.recomputed -= saved
         else:
             segment.kept -= saved
-        self.counted[id(tensor)] = (tensor, segment, recomputed, size - saved)
+        self.counted[id(value.tensor)] = (segment, recomputed, size - saved)
 
 
 def _identity(node) -> bool:
@@ -339,11 +320,6 @@ def _identity(node) -> bool:
     if not isinstance(operation, keras_compat.operation_classes().Cast):
         return False
     return [t.dtype for t in node.input_tensors] == [t.dtype for t in node.outputs]
-
-
-def _sources(tensor) -> list:
-    """The tensors the operation that made `tensor` read."""
-    return keras_compat.produced_from(tensor)
 
 
 def _projection(operation) -> bool:

@@ -2,7 +2,8 @@
 
 The model (abstract: shapes, no weights) is walked along its layer graph as
 `training.planning.tensor_parallel` follows it, keeping each activation's state on the model
-axis, and each weight's layout is chosen when the walk first reaches it:
+axis, and each weight's layout is chosen when the walk first asks for it (this module's
+chooser is the walk's layout):
 
 - a projection (Dense, EinsumDense, attention's projections, a reversed embedding) whose input
   arrives split on a dimension it contracts is split there (row split): each device multiplies
@@ -31,9 +32,8 @@ import re
 from dataclasses import dataclass
 
 from training import keras_compat
-from training.config import RunConfig
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
-from training.models import SPLIT_THRESHOLD_BYTES
+from training.models import SPLIT_THRESHOLD_BYTES, rule_axes
 from training.planning import layer_graph
 from training.planning.tensor_parallel import Derivation
 
@@ -73,35 +73,29 @@ class AutoLayout:
 
 def derive(model, mesh_model: int, overrides: LayoutRules | None = None) -> AutoLayout:
     """The layout of a built keras.Model (abstract or not) on a model axis of `mesh_model`."""
-    chooser = _Chooser(model, dict(overrides or {}), mesh_model)
+    chooser = _Chooser(dict(overrides or {}), mesh_model)
+    paths = layer_graph.layer_paths(model)
+    # The walk reads the output rules from the rules the chooser adds its choices to.
+    walk = Derivation(chooser.rules, mesh_model, 1, 4, layer_paths=paths, layout=chooser)
     graph = layer_graph.graph(model)
     if graph is not None:
-        chooser.run(*graph)
+        walk.run(*graph)
     # Those the walk did not reach; frozen weights too (LoRA's base kernels), which take
     # the same memory as trained ones.
     for variable in model.weights:
         chooser.weight_axes(variable)
     chooser.split_biases(model)
     chooser.split_small_matrices()
-    return chooser.result(model)
+    return chooser.result(model, walk.found_output_rules(), paths)
 
 
-def derive_for_config(cfg: RunConfig, mesh_model: int) -> AutoLayout:
-    """The auto layout of the configured model, built abstractly."""
-    from training import models
-    from training.data import build_dataset
+class _Chooser:
+    """The layout a walk of `training.planning.tensor_parallel` asks for, each weight's chosen
+    on first sight instead of read from the rules (which start as the user's overrides)."""
 
-    model = models.abstract_model(cfg.model, build_dataset(cfg.data).spec)
-    return derive(model, mesh_model, cfg.strategy.layout_rules)
-
-
-class _Chooser(Derivation):
-    """The derivation of `training.planning.tensor_parallel`, choosing each weight's layout on first
-    sight instead of reading it from the rules (which start as the user's overrides)."""
-
-    def __init__(self, model, overrides: LayoutRules, n: int):
-        paths = layer_graph.layer_paths(model)
-        super().__init__(overrides, n, examples=1, value_bytes=4, layer_paths=paths)
+    def __init__(self, overrides: LayoutRules, n: int):
+        self.rules = overrides
+        self.n = n
         self.overrides = set(overrides)
         self.decided: dict[str, tuple] = {}  # path -> axes ((): whole)
         self.reasons: dict[str, str] = {}  # path (or <layer>/output) -> why
@@ -111,7 +105,7 @@ class _Chooser(Derivation):
     # -- weights ------------------------------------------------------------------------------
 
     def _decide(self, variable, choose) -> tuple:
-        given = super().weight_axes(variable)
+        given = rule_axes(variable.path, self.rules)
         if given or variable.path in self.decided:
             return given
         axes, why = choose()
@@ -220,14 +214,14 @@ class _Chooser(Derivation):
 
     # -- the result ---------------------------------------------------------------------------
 
-    def result(self, model) -> AutoLayout:
-        for pattern, axes in self.found_output_rules().items():
+    def result(self, model, output_rules: LayoutRules, layer_paths) -> AutoLayout:
+        for pattern, axes in output_rules.items():
             self.rules[pattern] = axes
             self.reasons[_unescaped(pattern)] = "its output: batch over data, " + (
                 "split over model" if "model" in axes else "whole over model"
             )
         names = [v.path for v in model.variables] + [
-            f"{p}{ACTIVATION_RULE_SUFFIX}" for p in sorted(self.layer_paths)
+            f"{p}{ACTIVATION_RULE_SUFFIX}" for p in sorted(layer_paths)
         ]
         chosen = {p: a for p, a in self.rules.items() if p not in self.overrides}
         by_name = {_unescaped(p): a for p, a in chosen.items()}

@@ -43,6 +43,12 @@ collective that makes an input so, or that its backward pass needs, is counted:
 
 A model without a graph to follow (a subclassed model whose `call` cannot run on symbolic
 tensors) falls back to that last rule for every split weight.
+
+The walk asks a layout for each weight's axes: the rules', or one that chooses them as it
+goes (`training.planning.auto_layout`). It lists what it found, in order, as plain records
+(the nodes it entered and left with their tensors' states and bytes, each contraction, the
+tensors computed split as they are read): `training.planning.activations` sums from them
+what the backward pass keeps.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from __future__ import annotations
 import math
 import re
 import string
+from dataclasses import dataclass
 
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX
@@ -112,12 +119,79 @@ def _split_dim(axes: tuple[str | None, ...]):
     return axes.index("model") if "model" in axes else REPLICATED
 
 
+@dataclass(frozen=True)
+class Value:
+    """An activation as the walk has it at that point."""
+
+    tensor: object  # the KerasTensor (held, so that no tensor traced later reuses its id)
+    whole: bool  # replicated or a partial sum over `model`: not split
+    bytes: int  # of all its values: examples x size x value bytes
+    differentiated: bool  # the backward pass computes its gradient
+
+
+# What the walk found, in order (`Derivation.records`), for an analysis that follows it
+# (`training.planning.activations`). A node's Entered and Left enclose those of its layer's
+# own graph.
+
+
+@dataclass(frozen=True)
+class Entered:
+    node: object  # the Keras node the walk reaches
+    inputs: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Left:
+    node: object
+    outputs: tuple[Value, ...]  # as laid out after it
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A matmul of an activation with a weight (a node's, or one of attention's)."""
+
+    input: Value  # as the contraction leaves it
+    partitioned: bool  # XLA partitions the dot: no gathered kernel, no input split as read
+
+
+@dataclass(frozen=True)
+class SplitAsRead:
+    """A whole tensor that XLA computes split (`Derivation._split_as_read`)."""
+
+    value: Value
+
+
+@dataclass(frozen=True)
+class MadeInside:
+    """A layer's output that the layer's own graph (walked inside) made as `made`."""
+
+    output: object
+    made: Value
+
+
+@dataclass(frozen=True)
+class RuleLayout:
+    """Each weight's axes as the rules give them. A walk asks its `layout` for those of a
+    contraction's kernel (`kernel_axes(kernel, kernel_subs, input_letter, output_subs)`,
+    given the letter its input is split on, None where whole), of an embedding table looked
+    up by token ids (`table_axes(table)`) and of a weight of a layer with no known
+    contraction (`weight_axes(weight)`). An automatic layout (`training.planning.auto_layout`)
+    answers by choosing each weight's layout on first sight."""
+
+    rules: Rules
+
+    def weight_axes(self, weight, *contraction):
+        return rule_axes(weight.path, self.rules)
+
+    kernel_axes = table_axes = weight_axes
+
+
 class Derivation:
     """The walk of a layer graph that counts the collectives, as the module describes. The
-    layout of each weight comes from `kernel_axes`, `table_axes` and `weight_axes`: an
-    automatic layout (`training.planning.auto_layout`) overrides them to choose the layout
-    as it walks. Each output's state is recorded by `set_output`, and for the layers of
-    `layer_paths` the output rules that would hold it (`found_output_rules`)."""
+    layout of each weight comes from `layout` (the rules' by default), that of the outputs
+    from `rules`. Each output's state is recorded by `set_output`, and for the layers of
+    `layer_paths` the output rules that would hold it (`found_output_rules`). What it
+    found is listed, in order, in `records`."""
 
     def __init__(
         self,
@@ -126,8 +200,10 @@ class Derivation:
         examples: int,
         value_bytes: int,
         layer_paths: frozenset[str] = frozenset(),
+        layout=None,
     ):
         self.rules = rules
+        self.layout = layout or RuleLayout(rules)
         self.n = n
         self.examples = examples
         self.value_bytes = value_bytes
@@ -148,6 +224,8 @@ class Derivation:
         # they and no trainable weight produce.
         self.differentiated: set[int] = set()
         self.found: list[Collective] = []
+        self.split_as_read: set[int] = set()  # ids of tensors XLA computes split
+        self.records: list = []  # Entered, Left, Contraction, SplitAsRead, MadeInside
 
     def run(self, inputs, outputs, nodes) -> list[Collective]:
         for tensor in inputs:
@@ -176,6 +254,10 @@ class Derivation:
         for y in outs:
             if None in y.shape[1:]:
                 self.shapes[id(y)] = layer_graph.filled_shape(layer, in_shapes, tuple(y.shape))
+
+    def _value(self, tensor) -> Value:
+        whole = self._get(tensor) in (REPLICATED, PARTIAL)
+        return Value(tensor, whole, self._bytes(tensor), id(tensor) in self.differentiated)
 
     def _add(self, kind: str, size: float, what: str) -> None:
         self.found.append(Collective(kind, size, self.n, what))
@@ -244,30 +326,20 @@ class Derivation:
             if len(found) == 1 and () not in found
         }
 
-    # -- the layout of weights: the rules' (an automatic layout chooses it in these) ----------
-
-    def kernel_axes(self, kernel, kernel_subs: str, input_letter, output_subs: str):
-        """A contraction's kernel, given the letter its input is split on (None: whole)."""
-        return rule_axes(kernel.path, self.rules)
-
-    def table_axes(self, table):
-        """An embedding table looked up by token ids."""
-        return rule_axes(table.path, self.rules)
-
-    def weight_axes(self, weight):
-        """A weight of a layer with no known contraction."""
-        return rule_axes(weight.path, self.rules)
-
     # -- layers -------------------------------------------------------------------------------
 
     def _node(self, node) -> None:
+        ins, outs = list(node.input_tensors), list(node.outputs)
+        self.records.append(Entered(node, tuple(self._value(t) for t in ins)))
+        self._follow(node, ins, outs)
+        self.records.append(Left(node, tuple(self._value(t) for t in outs)))
+
+    def _follow(self, node, ins: list, outs: list) -> None:
         import keras
 
         ops = keras_compat.operation_classes()
         layer = node.operation
         args, kwargs = node.arguments.args, node.arguments.kwargs
-        ins = list(node.input_tensors)
-        outs = list(node.outputs)
         if getattr(layer, "trainable_weights", None) or any(
             id(t) in self.differentiated for t in ins
         ):
@@ -335,6 +407,7 @@ class Derivation:
         self.batch_of_one = outer_batch_of_one
         for outer, inner in zip(outs, inner_outputs, strict=False):
             self.set_output(path, outer, self._get(inner))
+            self.records.append(MadeInside(outer, self._value(inner)))
 
     def _einsum_op(self, subscripts: str, ins, y, path: str) -> None:
         """An einsum of activations (no weight): operands split on one letter the output keeps
@@ -370,22 +443,29 @@ class Derivation:
 
     def _einsum(self, equation: str, x, kernel, y, path: str):
         """A contraction of `x` with `kernel` into `y`; returns y's state."""
+        state, kernel_gathered = self._contraction(equation, x, kernel, y, path)
+        partitioned = not kernel_gathered and id(x) not in self.split_as_read
+        self.records.append(Contraction(self._value(x), partitioned))
+        return state
+
+    def _contraction(self, equation: str, x, kernel, y, path: str):
+        """y's state, and whether XLA gathers the kernel (`_kernel_gathered`)."""
         equation = layer_graph.expand_ellipsis(equation, len(x.shape), len(y.shape))
         x_subs, rest = equation.split(",")
         k_subs, y_subs = rest.split("->")
         state = self._whole_or_split(x, path)
         x_letter = x_subs[state] if state is not REPLICATED else None
-        split = _split_dim(self.kernel_axes(kernel, k_subs, x_letter, y_subs))
+        split = _split_dim(self.layout.kernel_axes(kernel, k_subs, x_letter, y_subs))
         letter = k_subs[split] if split is not REPLICATED else None
         if letter is None:
             if x_letter is None:
-                return REPLICATED
+                return REPLICATED, False
             if x_letter in y_subs:
-                return y_subs.index(x_letter)
-            return PARTIAL  # the replicated kernel is sliced to match the split input
+                return y_subs.index(x_letter), False
+            return PARTIAL, False  # the replicated kernel is sliced to match the split input
         if letter not in y_subs:  # split on a contracted dimension: partial sums
             if x_letter == letter:
-                return PARTIAL
+                return PARTIAL, False
             if x_letter is not None:
                 self._whole(x, path)
             # The replicated input is sliced locally; its gradient comes back split. (Where
@@ -395,23 +475,24 @@ class Derivation:
             if id(x) in self.differentiated:
                 self._add("all-gather", self._bytes(x), f"backward: {path} input gradient")
             if id(x) in self.ruled:
-                return REPLICATED if self._kernel_gathered(x, kernel, y, path) else PARTIAL
+                gathered = self._kernel_gathered(x, kernel, y, path)
+                return REPLICATED if gathered else PARTIAL, gathered
             if x_letter is None:
                 # An input no rule holds whole, XLA splits as the kernel, slicing back
                 # through the ops before it (attention's output projection: the attention
                 # by heads).
                 self._split_as_read(x, x_subs.index(letter))
-            return PARTIAL
+            return PARTIAL, False
         if x_letter is not None:  # split on an output dimension needs the whole input
             self._whole(x, path)
         if id(x) in self.differentiated:
             self._add("all-reduce", self._bytes(x), f"backward: {path} input gradient")
         if self._kernel_gathered(x, kernel, y, path):
-            return REPLICATED
+            return REPLICATED, True
         if self._wanted_whole(path):
             self._add("all-gather", self._bytes(y), f"forward: {path} output")
-            return REPLICATED
-        return y_subs.index(letter)
+            return REPLICATED, False
+        return y_subs.index(letter), False
 
     def _kernel_gathered(self, x, kernel, y, path: str) -> bool:
         """Where an output rule wants a split kernel's output whole and the kernel is the
@@ -425,7 +506,24 @@ class Derivation:
 
     def _split_as_read(self, x, dim: int) -> None:
         """A whole input no rule holds, read by a kernel split on its dimension `dim`: XLA
-        computes it split there (what it sends stays as counted)."""
+        computes it split there (what it sends stays as counted), and back from it each
+        whole tensor it is made from that has a dimension of that size at that position, up
+        to those an output rule holds (sliced there): attention, between the query, key and
+        value projections and the output projection that splits its heads."""
+        found = [(x, dim)]
+        while found:
+            tensor, dim = found.pop()
+            if id(tensor) in self.split_as_read:
+                continue
+            self.split_as_read.add(id(tensor))
+            self.records.append(SplitAsRead(self._value(tensor)))
+            if id(tensor) in self.ruled:
+                continue  # kept as sliced: what reads it reads it split
+            for source in keras_compat.produced_from(tensor):
+                shape, source_shape = self._shape(tensor), self._shape(source)
+                whole = self._get(source) in (REPLICATED, PARTIAL)
+                if whole and len(source_shape) == len(shape) and source_shape[dim] == shape[dim]:
+                    found.append((source, dim))
 
     def _wanted_whole(self, path: str) -> bool:
         """Whether an output rule keeps the layer's output whole over `model`."""
@@ -434,7 +532,7 @@ class Derivation:
 
     def _embedding(self, layer, x, y, path: str) -> None:
         if "int" in str(x.dtype) or len(y.shape) == len(x.shape) + 1:  # a lookup
-            split = _split_dim(self.table_axes(layer.embeddings))
+            split = _split_dim(self.layout.table_axes(layer.embeddings))
             state = {REPLICATED: REPLICATED, 0: PARTIAL, 1: len(y.shape) - 1}[split]
             self._whole(x, path)
             self.set_output(path, y, state)
@@ -487,7 +585,7 @@ class Derivation:
         of the user's own whose weights, if split, are treated as elementwise operands when
         their shape broadcasts to the output's, else gathered."""
         weights = [w for w in getattr(layer, "weights", None) or [] if w is not None]
-        split_weights = [w for w in weights if "model" in self.weight_axes(w)]
+        split_weights = [w for w in weights if "model" in self.layout.weight_axes(w)]
         shapes = {tuple(t.shape) for t in outs}
         elementwise = len(shapes) == 1 and all(
             _broadcasts(t.shape, next(iter(shapes))) for t in ins
@@ -499,7 +597,7 @@ class Derivation:
                 operands.append(state - len(t.shape))
         for w in split_weights:
             if elementwise and _broadcasts(tuple(w.shape), next(iter(shapes))):
-                operands.append(_split_dim(self.weight_axes(w)) - len(w.shape))
+                operands.append(_split_dim(self.layout.weight_axes(w)) - len(w.shape))
             else:
                 self.found += gathered_weight(w.path, array_bytes(w.shape, w.dtype), self.n)
         reduced = _reduced_dims(layer, len(ins[0].shape) if ins else 0)
