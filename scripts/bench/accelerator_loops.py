@@ -36,6 +36,7 @@ from pathlib import Path
 from scripts.bench.harness import (
     READ_EVERY,
     WORKLOADS,
+    jit_loop,
     ratio,
     result_of,
     start,
@@ -87,53 +88,17 @@ def batches(dataset, cfg, count: int) -> list:
     return [dataset.batch("train", i, batch, slice(0, batch)) for i in range(count)]
 
 
-def jit_loop(cfg, steps: int) -> dict:
-    """A hand-written jit step: stateless_call, the loss, its gradients, stateless_apply;
-    the state donated, the batches placed on the device beforehand, the loss read every
-    READ_EVERY steps."""
-    import inspect
-
+def hand_written_loop(cfg, steps: int) -> dict:
+    """The harness's hand-written jit loop on the model the host loop trains, the batches
+    placed on the device beforehand."""
     import jax
 
     model, dataset = built(cfg)
-    loss_fn, optimizer = model.loss, model.optimizer
-
-    # keras-hub's CausalLM.call takes no `training` (stateless_call passes it through).
-    training = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
-
-    def loss_of(trainable, non_trainable, x, y):
-        predicted, non_trainable = model.stateless_call(trainable, non_trainable, x, **training)
-        return loss_fn(y, predicted), non_trainable
-
-    def step(state, x, y):
-        trainable, non_trainable, optimizer_state = state
-        (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            trainable, non_trainable, x, y
-        )
-        trainable, optimizer_state = optimizer.stateless_apply(optimizer_state, grads, trainable)
-        return loss, (trainable, non_trainable, optimizer_state)
-
-    state = (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in optimizer.variables],
-    )
     on_device = [jax.device_put(b) for b in batches(dataset, cfg, READ_EVERY)]
-    compiled = jax.jit(step, donate_argnums=0).lower(state, *on_device[0]).compile()
-    loss, state = compiled(state, *on_device[0])
-    float(loss)
-    first_done = time.time()
-    intervals, started = [], time.perf_counter()
-    for i in range(1, steps):
-        loss, state = compiled(state, *on_device[i % READ_EVERY])
-        if i % READ_EVERY == 0:
-            float(loss)
-            now = time.perf_counter()
-            intervals.append((now - started) / READ_EVERY)
-            started = now
+    times = jit_loop(model, lambda i: on_device[i % READ_EVERY], steps)
+    compiled = times.pop("compiled")
     return {
-        "step_seconds": statistics.median(intervals[1:] or intervals) if intervals else None,
-        "first_step_done": first_done,
+        **times,
         "step_memory_bytes": _peak(compiled),
         # The fused attention kernel in the step: Pallas' TPU custom call, cuDNN's on GPU.
         "fused_attention": any(
@@ -192,7 +157,8 @@ def run_workload(workload: str, tokens: Path, steps: int) -> dict:
     cfg = compose_run_config(workload_overrides(workload, tokens, steps))
     device = jax.devices()[0]
     result = {"workload": workload, "device": device.device_kind, "loops": {}}
-    for name, loop in (("host loop", host_loop), ("jit loop", jit_loop), ("keras fit", keras_fit)):
+    loops = (("host loop", host_loop), ("jit loop", hand_written_loop), ("keras fit", keras_fit))
+    for name, loop in loops:
         try:
             result["loops"][name] = loop(cfg) if name == "host loop" else loop(cfg, steps)
         except Exception as error:  # noqa: BLE001 - one loop failing leaves the others

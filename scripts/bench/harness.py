@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -331,24 +332,29 @@ def run_plain(overrides: list[str], steps: int) -> dict:
     }
 
 
-def jit_loop(model, dataset, batch: int, rows: slice, steps: int, accuracy: bool = False) -> dict:
-    """A `jax.jit` step written by hand, dispatched without waiting; the loss is read every
-    READ_EVERY steps (also keeps XLA's CPU collectives from timing out, jax #25861), with the
-    interval's accuracy where `accuracy` (its correct and total counts summed on the device).
-    Returns the median step time over those intervals after the first and when step 1 was
-    done."""
+def jit_loop(model, batches: Callable[[int], tuple], steps: int, accuracy: bool = False) -> dict:
+    """A hand-written `jax.jit` step (stateless_call, the loss, its gradients,
+    stateless_apply; the state donated and kept in its variables' shardings), compiled ahead
+    for the first batch and dispatched without waiting; `batches(i)`: step i's (x, y) on the
+    devices. The loss is read every READ_EVERY steps (also keeps XLA's CPU collectives from
+    timing out, jax #25861), with the interval's accuracy where `accuracy` (its correct and
+    total counts summed on the device). Returns the median step time over those intervals
+    after the first, when step 1 was done, and the compiled step."""
+    import inspect
+
     import jax
     import jax.numpy as jnp
-    import keras
 
     loss_fn, optimizer = model.loss, model.optimizer
-    layout = keras.distribution.distribution()
+    # keras-hub's CausalLM.call takes no `training` (stateless_call passes it through).
+    training = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
 
     def loss_of(trainable, non_trainable, x, y):
-        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, **training)
         return loss_fn(y, logits), (logits, non_trainable)
 
-    def step(trainable, non_trainable, optimizer_state, counts, x, y):
+    def step(state, counts, x, y):
+        trainable, non_trainable, optimizer_state = state
         (loss, (logits, non_trainable)), grads = jax.value_and_grad(loss_of, has_aux=True)(
             trainable, non_trainable, x, y
         )
@@ -356,34 +362,49 @@ def jit_loop(model, dataset, batch: int, rows: slice, steps: int, accuracy: bool
         if accuracy:
             hits = jnp.argmax(logits, axis=-1) == y.reshape(logits.shape[:-1])
             counts = counts + jnp.stack([hits.sum(), hits.size]).astype(jnp.float32)
-        return loss, counts, trainable, non_trainable, optimizer_state
+        return loss, counts, (trainable, non_trainable, optimizer_state)
 
     groups = (model.trainable_variables, model.non_trainable_variables, optimizer.variables)
-    shardings = [[v.value.sharding for v in variables] for variables in groups]
-    step = jax.jit(step, donate_argnums=(0, 1, 2), out_shardings=(None, None, *shardings))
-    state = [[v.value for v in variables] for variables in groups]
-
-    def place(array):
-        sharding = layout.get_data_layout(array.shape).backend_layout
-        return jax.make_array_from_process_local_data(sharding, array)
-
-    first_done, intervals = None, []
+    shardings = tuple([v.value.sharding for v in variables] for variables in groups)
+    state = tuple([v.value for v in variables] for variables in groups)
     fresh = counts = jnp.zeros(2, jnp.float32)
-    started = time.perf_counter()
-    for i in range(steps):
-        x, y = dataset.batch("train", i, batch, rows)
-        loss, counts, *state = step(*state, counts, place(x), place(y))
-        if i == 0:
-            float(loss)
-            first_done = time.time()
-            started = time.perf_counter()
-        elif i % READ_EVERY == 0:
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, None, shardings))
+    compiled = jitted.lower(state, counts, *batches(0)).compile()
+    loss, counts, state = compiled(state, counts, *batches(0))
+    float(loss)
+    first_done = time.time()
+    intervals, started = [], time.perf_counter()
+    for i in range(1, steps):
+        loss, counts, state = compiled(state, counts, *batches(i))
+        if i % READ_EVERY == 0:
             jax.device_get((loss, counts))
             counts = fresh
             now = time.perf_counter()
             intervals.append((now - started) / READ_EVERY)
             started = now
-    return {"step_seconds": statistics.median(intervals[1:]), "first_step_done": first_done}
+    return {
+        "step_seconds": statistics.median(intervals[1:] or intervals) if intervals else None,
+        "first_step_done": first_done,
+        "compiled": compiled,
+    }
+
+
+def placed_batches(dataset, batch: int, rows: slice) -> Callable[[int], tuple]:
+    """Step i's rows of the training batch, placed as Keras' distribution lays out data."""
+    import jax
+    import keras
+
+    layout = keras.distribution.distribution()
+
+    def place(array):
+        sharding = layout.get_data_layout(array.shape).backend_layout
+        return jax.make_array_from_process_local_data(sharding, array)
+
+    def batches(i: int) -> tuple:
+        x, y = dataset.batch("train", i, batch, rows)
+        return place(x), place(y)
+
+    return batches
 
 
 # ---- the memory benchmarks: one process, 8 simulated CPU devices of one host -----------

@@ -18,6 +18,7 @@ from scripts.bench.harness import (
     cpu_env,
     gpu_env,
     jit_loop,
+    placed_batches,
     ratio,
     steady_step_seconds,
     use_env,
@@ -51,9 +52,8 @@ def loop_overhead(steps: int, extra: list[str]) -> dict:
         keras.backend.clear_session()
         model, dataset = build_on_grid(cfg, device_grid(jax.devices(), mesh))
         batch = cfg.trainer.global_batch
-        times = jit_loop(
-            model, dataset, batch, slice(0, batch), steps, accuracy="accuracy" in cfg.model.metrics
-        )
+        rows = placed_batches(dataset, batch, slice(0, batch))
+        times = jit_loop(model, rows, steps, accuracy="accuracy" in cfg.model.metrics)
         hand.append(times["step_seconds"])
         keras.backend.clear_session()
     return {"loop_step_seconds": min(loop), "jit_step_seconds": min(hand), "all": [loop, hand]}

@@ -8,11 +8,11 @@ Started by `accelerator_loops --first-step`; not a benchmark.
 import sys
 from pathlib import Path
 
-from scripts.bench.accelerator_loops import jit_loop
+from scripts.bench.accelerator_loops import hand_written_loop
 from scripts.bench.harness import workload_overrides
 from training.config import compose_run_config
 
 if __name__ == "__main__":
     workload, tokens = sys.argv[1:]
     cfg = compose_run_config(workload_overrides(workload, Path(tokens), 3))
-    print(jit_loop(cfg, 1)["first_step_done"])
+    print(hand_written_loop(cfg, 1)["first_step_done"])

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from scripts.bench.harness import jit_loop
+from scripts.bench.harness import jit_loop, placed_batches
 from training.config import compose_run_config
 
 
@@ -30,7 +30,8 @@ def plain_process(process: int, port: int, launched: float, steps: int, override
     built = time.time()
     rows = host_batch_rows(grid, process, cfg.trainer.global_batch)
     accuracy = "accuracy" in cfg.model.metrics
-    times = jit_loop(model, dataset, cfg.trainer.global_batch, rows, steps, accuracy)
+    batches = placed_batches(dataset, cfg.trainer.global_batch, rows)
+    times = jit_loop(model, batches, steps, accuracy)
     return {
         "step_seconds": times["step_seconds"],
         "first_step_done": times["first_step_done"],
