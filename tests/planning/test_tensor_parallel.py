@@ -36,7 +36,9 @@ def sequential_mlp(d_model=64, hidden=256, features=32, classes=8):
             keras.layers.Dense(d_model, name="block_0_down"),
             keras.layers.LayerNormalization(name="block_0_norm"),
             keras.layers.Dense(classes, name="head"),
-        ]
+        ],
+        # Named, so that its paths do not depend on the models built before it in the session.
+        name="sequential_mlp",
     )
 
 
@@ -114,7 +116,7 @@ def test_megatron_mlp_is_the_hand_formula(n, examples, value_bytes):
 def test_sequential_and_subclassed_models_follow_their_layer_graph():
     hidden = 32 * 64 * 4
     assert [c.what for c in predict(sequential_mlp, PREFIXED_MLP_RULES, 4, 32)] == [
-        "forward: sequential/block_0_down output"  # no gradient for the model's input
+        "forward: sequential_mlp/block_0_down output"  # no gradient for the model's input
     ]
     subclassed = predict(subclassed_mlp, PREFIXED_MLP_RULES, 4, 32)
     assert [(c.kind, c.bytes, c.what.split(":")[0]) for c in subclassed] == [
