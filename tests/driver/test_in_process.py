@@ -143,30 +143,33 @@ def test_a_step_that_does_not_fit_is_one_error_and_what_it_names_fits(tmp_path, 
     assert summary["status"] == "completed" and summary["step_memory_bytes"] <= needed["limit"]
 
 
+HELD = 3_700_000_000  # bytes per device of the state and batch the step reads
+
+
 @pytest.mark.parametrize(
     "message, needed, limit",
     [
-        # What a TPU v5e said, at run time and (the compiler's wording) before it.
+        # What a TPU v5e said, at run time and (the compiler's wording) before it. The first
+        # names the temporaries alone: the arrays the step reads come on top.
         (
             "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
             "temporaries (16.00G) exceeds available HBM (15.75G).",
-            16.00,
+            round(16.00 * 2**30) + HELD,
             15.75,
         ),
         (
             "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
             "space hbm. Used 19.30G of 15.48G hbm. Exceeded hbm capacity by 3.82G.",
-            19.30,
+            round(19.30 * 2**30),
             15.48,
         ),
     ],
 )
 def test_a_devices_out_of_memory_error_carries_its_figures(message, needed, limit):
-    with pytest.raises(OutOfDeviceMemory) as caught, memory.out_of_memory_explained("at run time"):
+    held = lambda: HELD  # noqa: E731
+    with pytest.raises(OutOfDeviceMemory) as caught, memory.out_of_memory_explained("x", held):
         raise RuntimeError(message)
-    assert caught.value.needed == round(needed * 2**30) and caught.value.limit == round(
-        limit * 2**30
-    )
+    assert caught.value.needed == needed and caught.value.limit == round(limit * 2**30)
     with pytest.raises(ValueError, match="not about memory"), memory.out_of_memory_explained("x"):
         raise ValueError("not about memory")
 

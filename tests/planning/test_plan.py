@@ -348,11 +348,15 @@ def test_the_plans_compiled_figures_are_the_hosts_compiled_step(case):
         rows = cfg.trainer.micro_batch
         batch = dataset.batch("train", 0, rows, slice(0, rows))
         host = CompiledStep(model, cfg.trainer.accumulate, 0)
-        host.compile(place(batch, batch_shardings(batch)))
+        placed = place(batch, batch_shardings(batch))
+        host.compile(placed)
     finally:
         keras.distribution.set_distribution(None)
         keras.config.set_dtype_policy("float32")
     assert planned.memory == host.memory
+    # What a refusal that names the temporaries alone adds: the step's arguments, as XLA
+    # counts them (8 bytes apart in these cases, out of 0.4–16 MB).
+    assert host.argument_bytes(placed) == pytest.approx(host.memory.arguments, abs=8)
 
 
 def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():

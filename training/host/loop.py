@@ -107,6 +107,11 @@ class CompiledStep:
         self.memory = compiled_memory(self._compiled, shard_bytes(batch))
         return time.perf_counter() - started
 
+    def argument_bytes(self, batch) -> int:
+        """Bytes per device of what the step reads: the state, the metrics, the carry and
+        `batch`."""
+        return shard_bytes((self.state, self.metrics, self.carry, batch))
+
     def __call__(self, batch) -> None:
         """Dispatch one micro-batch; returns before the devices finish it."""
         self.state, self.metrics, self.carry = self._compiled(

@@ -11,16 +11,16 @@ platform without one (CPU) is not checked.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from training.events import OUT_OF_MEMORY, OutOfDeviceMemory
 
-# "... required for HLO temporaries (16.00G) exceeds available HBM (15.75G)", "Used 19.3G of
-# 15.48G hbm": the figures a TPU's refusal gives, in GiB.
-TPU_FIGURES = re.compile(
-    r"\(([\d.]+)G\) exceeds available \w+ \(([\d.]+)G\)|Used ([\d.]+)G of ([\d.]+)G"
-)
+# The figures a TPU's refusal gives, in GiB: "... required for HLO temporaries (16.00G) exceeds
+# available HBM (15.75G)" (the temporaries alone, the arrays the step reads come on top), or
+# "Used 19.3G of 15.48G hbm" (everything).
+TPU_TEMPORARIES = re.compile(r"\(([\d.]+)G\) exceeds available \w+ \(([\d.]+)G\)")
+TPU_USED = re.compile(r"Used ([\d.]+)G of ([\d.]+)G")
 GIB = 1024**3
 
 
@@ -58,9 +58,11 @@ def check_step_fits(needed: int) -> None:
 
 
 @contextmanager
-def out_of_memory_explained(when: str) -> Iterator[None]:
+def out_of_memory_explained(when: str, held: Callable[[], int] | None = None) -> Iterator[None]:
     """A device's out-of-memory error inside the block (the compiler's refusal, an
-    allocation at run time) as `OutOfDeviceMemory`, with the figures it gives."""
+    allocation at run time) as `OutOfDeviceMemory`, with the figures it gives. Where it gives
+    the temporaries alone, `held()` (bytes per device of the arrays the step reads: its state
+    and batch) is added, so that the figure is what the step needs."""
     try:
         yield
     except OutOfDeviceMemory:
@@ -70,6 +72,8 @@ def out_of_memory_explained(when: str) -> Iterator[None]:
         if not OUT_OF_MEMORY.search(message):
             raise
         needed, limit = _figures(message)
+        if needed and held and TPU_TEMPORARIES.search(message):
+            needed += held()
         raise OutOfDeviceMemory(
             needed,
             limit or memory_limit(),
@@ -80,8 +84,8 @@ def out_of_memory_explained(when: str) -> Iterator[None]:
 
 
 def _figures(message: str) -> tuple[int | None, int | None]:
-    found = TPU_FIGURES.search(message)
+    found = TPU_TEMPORARIES.search(message) or TPU_USED.search(message)
     if not found:
         return None, None
-    needed, limit = [float(g) for g in found.groups() if g is not None]
+    needed, limit = (float(g) for g in found.groups())
     return round(needed * GIB), round(limit * GIB)

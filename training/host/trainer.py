@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -221,7 +222,8 @@ def _train_loop(
     runner = CompiledStep(model, trainer.accumulate, start)
     batches = feed.prefetch(start)
     try:
-        with cache_outcome() as compiled, out_of_memory_explained("by the compiler"):
+        held = partial(runner.argument_bytes, batches.peek())
+        with cache_outcome() as compiled, out_of_memory_explained("by the compiler", held):
             compiled["compile_seconds"] = runner.compile(batches.peek())
         compiled["step_memory_bytes"] = runner.memory.needed
         check_step_fits(runner.memory.needed)
