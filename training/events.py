@@ -12,7 +12,6 @@ or saving. It beats every BEAT_SECONDS with its phase; the driver bounds each ph
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,7 +61,7 @@ class Compiled:
     compile_cache_hits: int
     compile_cache_misses: int
     # What the compiled step needs of a device's memory (XLA's memory_analysis), with the
-    # state it updates and the next batch: `training.host.memory`.
+    # state it updates and the next batch: `training.device_memory`.
     step_memory_bytes: int | None = None
 
 
@@ -101,11 +100,6 @@ class HostOutput:
 
 
 Event = Beat | Ready | Compiled | StepLogged | HostWarning | HostOutput
-
-
-# How XLA and the TPU/GPU runtimes say a device ran out of memory (a compile the chip
-# refuses, an allocation at run time).
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
 
 class OutOfDeviceMemory(RuntimeError):

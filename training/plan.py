@@ -30,7 +30,6 @@ from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # 
 from training.driver.display import print_choice, print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.events import OutOfDeviceMemory  # noqa: E402
-from training.host.memory import out_of_memory_explained  # noqa: E402
 from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
@@ -90,12 +89,8 @@ def make_plan(
     refused = None
     if compile and compiled is None:
         try:
-            # An accelerator's compiler refuses a step over its memory: the plan says so,
-            # with the state (as estimated: within 2 % of the compiler's) where the refusal
-            # names the temporaries alone.
-            with out_of_memory_explained("by the compiler", lambda: configured.memory.state_bytes):
-                compiled = compile_ahead_of_time(cfg, checked.mesh)
-        except OutOfDeviceMemory as error:
+            compiled = compile_ahead_of_time(cfg, checked.mesh)
+        except OutOfDeviceMemory as error:  # the plan says so rather than stopping
             refused = error
     alternatives = []
     for strategy, mesh in candidates(cfg.strategy, checked.mesh.devices, checked.devices_per_host):

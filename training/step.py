@@ -76,6 +76,17 @@ def compile_ahead(model, accumulate: int, batch):
     pytree of `jax.ShapeDtypeStruct`s). The model's variables may hold no values."""
     import jax
 
+    state, metrics, carry, batch = abstract_arguments(model, batch)
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    step = jitted_micro_step(model, accumulate, shardings, replicated_sharding())
+    return step.lower(state, metrics, carry, batch).compile()
+
+
+def abstract_arguments(model, batch) -> tuple:
+    """The micro-step's arguments as `jax.ShapeDtypeStruct`s: the state, the metrics, the
+    carry and `batch` (already abstract)."""
+    import jax
+
     replicated = replicated_sharding()
     state = jax.tree.map(abstract, state_variables(model))
     metrics = [abstract(v) for v in model.metrics_variables]
@@ -83,9 +94,7 @@ def compile_ahead(model, accumulate: int, batch):
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
         jax.eval_shape(lambda: initial_carry(0)),
     )
-    shardings = jax.tree.map(lambda a: a.sharding, state)
-    step = jitted_micro_step(model, accumulate, shardings, replicated)
-    return step.lower(state, metrics, carry, batch).compile()
+    return state, metrics, carry, batch
 
 
 def abstract(variable):

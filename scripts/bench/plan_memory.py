@@ -92,6 +92,7 @@ def plan_against_accelerator(workloads: list[str], remats: list[str]) -> list[di
 
     from training.config import compose_run_config
     from training.data import build_dataset
+    from training.device_memory import memory_limit
     from training.parallel.dtypes import readable_bytes
     from training.parallel.mesh import MeshShape
     from training.parallel.strategy import Strategy
@@ -148,6 +149,9 @@ def plan_against_accelerator(workloads: list[str], remats: list[str]) -> list[di
 
 def hosts_step_need(cfg) -> int:
     """What the step `host/loop.py` compiles for the live model needs per device."""
+    from functools import partial
+
+    from training.device_memory import out_of_memory_explained
     from training.host.loop import CompiledStep, batch_shardings, place
     from training.parallel.mesh import MeshShape
     from training.planning.compiled import built_as_hosts_build
@@ -155,8 +159,11 @@ def hosts_step_need(cfg) -> int:
     model, dataset = built_as_hosts_build(cfg, MeshShape(1, 1))
     rows = cfg.trainer.micro_batch
     x = dataset.batch("train", 0, rows, slice(0, rows))
+    batch = place(x, batch_shardings(x))
     runner = CompiledStep(model, cfg.trainer.accumulate, 0)
-    runner.compile(place(x, batch_shardings(x)))
+    # As a host compiles it (training/host/trainer.py): a refusal's figures with what it reads.
+    with out_of_memory_explained("by the compiler", partial(runner.argument_bytes, batch)):
+        runner.compile(batch)
     return runner.memory.needed
 
 
@@ -164,19 +171,11 @@ def compiled_need(compile) -> int | None:
     """`compile()`'s bytes per device, or those the compiler's refusal names (None where it
     names none)."""
     from training.events import OutOfDeviceMemory
-    from training.host.memory import out_of_memory_explained
 
     try:
-        with out_of_memory_explained("by the compiler"):
-            return compile()
+        return compile()
     except OutOfDeviceMemory as refused:
         return refused.needed
-
-
-def memory_limit() -> int | None:
-    from training.host.memory import memory_limit
-
-    return memory_limit()
 
 
 def ratio(numerator: float | None, denominator: float | None) -> str:

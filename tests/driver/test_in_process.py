@@ -12,9 +12,9 @@ import pytest
 
 from tests.conftest import FAST, run_config
 from tests.test_multihost import PRECISIONS, log_distance, single_device_losses
+from training import device_memory
 from training.config import ConfigError
 from training.events import OutOfDeviceMemory
-from training.host import memory
 from training.run import run_training
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,14 +121,14 @@ def test_a_step_that_does_not_fit_is_one_error_and_what_it_names_fits(tmp_path, 
     names then trains, on the same device."""
     overrides = [*IN_PROCESS, *FAST, *SMALL_TRANSFORMER, "trainer.eval_batches=0"]
     needed = {}
-    monkeypatch.setattr(memory, "memory_limit", lambda: needed.get("limit"))
-    original = memory.check_step_fits
+    monkeypatch.setattr(device_memory, "memory_limit", lambda: needed.get("limit"))
+    original = device_memory.check_step_fits
 
     def limit_below(need):
         needed.setdefault("limit", need - 1)
         original(need)
 
-    monkeypatch.setattr(memory, "check_step_fits", limit_below)
+    monkeypatch.setattr(device_memory, "check_step_fits", limit_below)
     monkeypatch.setattr("training.host.trainer.check_step_fits", limit_below)
     with pytest.raises(ConfigError) as refused:
         run_training(run_config(overrides), tmp_path / "refused")
@@ -166,11 +166,16 @@ HELD = 3_700_000_000  # bytes per device of the state and batch the step reads
     ],
 )
 def test_a_devices_out_of_memory_error_carries_its_figures(message, needed, limit):
-    held = lambda: HELD  # noqa: E731
-    with pytest.raises(OutOfDeviceMemory) as caught, memory.out_of_memory_explained("x", held):
+    with (
+        pytest.raises(OutOfDeviceMemory) as caught,
+        device_memory.out_of_memory_explained("x", lambda: HELD),
+    ):
         raise RuntimeError(message)
     assert caught.value.needed == needed and caught.value.limit == round(limit * 2**30)
-    with pytest.raises(ValueError, match="not about memory"), memory.out_of_memory_explained("x"):
+    with (
+        pytest.raises(ValueError, match="not about memory"),
+        device_memory.out_of_memory_explained("x"),
+    ):
         raise ValueError("not about memory")
 
 
@@ -199,6 +204,30 @@ def test_the_plan_compiles_the_step_the_hosts_run(capsys):
     assert "the hosts' step" in printed
     state = re.search(r"state \(weights, optimizer\)\s+\S+ \S+\s+\S+ \S+\s+([\d.]+)", printed)
     assert 0.95 <= float(state.group(1)) <= 1.0, printed
+
+
+def test_strategy_auto_passes_over_a_candidate_the_compiler_refuses(monkeypatch):
+    """On an accelerator the compiler refuses a step over its memory: strategy=auto records
+    the refusal with its figures and compiles the next candidate."""
+    from training import step
+    from training.planning.auto import choose
+
+    compile_ahead, calls = step.compile_ahead, []
+
+    def refuse_the_first(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                "HLO temporaries (16.00G) exceeds available HBM (15.75G)."
+            )
+        return compile_ahead(*args)
+
+    monkeypatch.setattr(step, "compile_ahead", refuse_the_first)
+    choice = choose(run_config([*IN_PROCESS, *FAST, "strategy=auto"]))
+    refused, chosen = choice.candidates[0], choice.chosen
+    assert refused.refused.startswith("the training step needs 17.")  # 16 GiB and the state
+    assert refused.compiled is None and chosen is not refused and chosen.compiled
 
 
 def test_strategy_auto_trains_with_the_fastest_strategy_that_fits_by_the_compiled_step(

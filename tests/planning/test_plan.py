@@ -157,23 +157,35 @@ def test_a_model_the_walk_cannot_trace_is_a_plan_warning_naming_the_error_and_fa
     assert "estimated as the outputs its top-level layers recorded" in warning
 
 
-# What a TPU's compiler raises for a step over its memory (the chip's own wording).
+# What a TPU's compiler raises for a step over its memory (the chip's own wordings): the
+# step's whole need, or its temporaries alone.
 TPU_REFUSAL = (
     "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
     "hbm. Used 19.30G of 15.75G hbm. Exceeded hbm capacity by 3.55G."
+)
+TPU_TEMPORARIES_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (16.00G) exceeds available HBM (15.75G)."
 )
 
 
 def test_a_step_the_compiler_refuses_is_the_plans_answer_not_a_traceback(monkeypatch):
     """On an accelerator, compiling a step over its memory raises: the plan reports the
-    compiler's figures (the run would stop there) and still prints its table."""
-    from training import plan as plan_cli
+    compiler's figures (the run would stop there) and still prints its table. Where the
+    compiler names the temporaries alone, the step's arguments are added, as XLA counts them
+    where it compiles the step."""
+    from training import step
 
-    def refuse(cfg, mesh):
-        raise RuntimeError(TPU_REFUSAL)
+    cfg = run_config(["trainer.global_batch=64"])
+    arguments = make_plan(cfg, compile=True).compiled.memory.arguments
+    refusal = {}
 
-    monkeypatch.setattr(plan_cli, "compile_ahead_of_time", refuse)
-    plan = make_plan(run_config(["trainer.global_batch=64"]), compile=True)
+    def refuse(*args):
+        raise RuntimeError(refusal["message"])
+
+    monkeypatch.setattr(step, "compile_ahead", refuse)
+    refusal["message"] = TPU_REFUSAL
+    plan = make_plan(cfg, compile=True)
     assert plan.compiled is None
     assert round(plan.refused.needed / 1024**3, 2) == 19.30
     (warning,) = plan.warnings
@@ -184,6 +196,10 @@ def test_a_step_the_compiler_refuses_is_the_plans_answer_not_a_traceback(monkeyp
         "15.75G hbm. Exceeded hbm capacity by 3.55G.): a run stops there, "
         "before its first step"
     ), warning
+
+    refusal["message"] = TPU_TEMPORARIES_REFUSAL
+    needed = make_plan(cfg, compile=True).refused.needed
+    assert needed - round(16.00 * 1024**3) == pytest.approx(arguments, abs=8)
 
 
 def test_plan_needs_the_cluster_size():

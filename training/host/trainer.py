@@ -15,6 +15,13 @@ import numpy as np
 from training.build import build_on_grid, count_parameters, describe_variables
 from training.checkpoint.export import export_model, writes_preset
 from training.config import RunConfig, TrainerConfig
+from training.device_memory import (
+    check_step_fits,
+    local_device,
+    memory_limit,
+    out_of_memory_explained,
+    peak_bytes_in_use,
+)
 from training.events import (
     BUILDING,
     COMPILING,
@@ -32,13 +39,6 @@ from training.host.checkpoints import HostCheckpoints
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.feed import HostFeed, distinct_examples
 from training.host.loop import CompiledStep
-from training.host.memory import (
-    check_step_fits,
-    local_device,
-    memory_limit,
-    out_of_memory_explained,
-    peak_bytes_in_use,
-)
 from training.host.phases import Phase
 from training.host.profile import StepProfile
 from training.parallel.mesh import (

@@ -24,7 +24,7 @@ from training.config import (
 )
 from training.config.strategy import MODEL_LAYOUT
 from training.data import build_dataset
-from training.events import OUT_OF_MEMORY
+from training.events import OutOfDeviceMemory
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning.compiled import Compiled, compile_ahead_of_time
@@ -164,11 +164,8 @@ def _compiled(candidate: Candidate) -> Candidate:
     """The candidate with its compiled figures, or why the compiler gave none."""
     try:
         return replace(candidate, compiled=compile_ahead_of_time(candidate.config, candidate.mesh))
-    except Exception as error:
-        # A TPU's compiler refuses a step that does not fit its memory: that is its figure.
-        if not OUT_OF_MEMORY.search(str(error)):
-            raise
-        return replace(candidate, refused=str(error).splitlines()[0][:200])
+    except OutOfDeviceMemory as error:  # an accelerator's compiler refuses what does not fit
+        return replace(candidate, refused=str(error))
 
 
 def is_auto(cfg: RunConfig) -> bool:

@@ -1,6 +1,7 @@
-"""What a host's devices hold: the compiled step's need against a device's memory, checked
-before the first step, and a device running out of memory as `OutOfDeviceMemory` rather
-than a traceback.
+"""What a device holds: the compiled step's need against a device's memory, checked by each
+host before the first step, and a device running out of memory (the compiler's refusal on a
+host or in `training.plan`, an allocation at run time) as `OutOfDeviceMemory` rather than a
+traceback.
 
 The need is XLA's `memory_analysis()` of the compiled step, with the one batch the
 prefetcher places on the devices while a step runs (`training.step.compiled_memory`). The
@@ -14,7 +15,11 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from training.events import OUT_OF_MEMORY, OutOfDeviceMemory
+from training.events import OutOfDeviceMemory
+
+# How XLA and the TPU/GPU runtimes say a device ran out of memory (a compile the chip
+# refuses, an allocation at run time).
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
 # The figures a TPU's refusal gives, in GiB: "... required for HLO temporaries (16.00G) exceeds
 # available HBM (15.75G)" (the temporaries alone, the arrays the step reads come on top), or
