@@ -180,9 +180,12 @@ def test_a_devices_out_of_memory_error_carries_its_figures(message, needed, limi
 
 
 def test_the_in_process_host_refuses_a_jax_started_with_other_devices():
+    import jax
+
     from training.config import InProcessClusterConfig
     from training.host.in_process import InProcessHost
 
+    jax.devices()  # started with the session's 8 devices, whichever test comes first
     host = InProcessHost(InProcessClusterConfig(platform="cpu", devices_per_host=4))
     with pytest.raises(ConfigError, match="this process's JAX holds 8 cpu device"):
         host.check_devices()
