@@ -53,13 +53,16 @@ def peak_bytes_in_use() -> int | None:
     return int(max(peaks)) if peaks else None
 
 
-def check_step_fits(needed: int) -> None:
-    """`OutOfDeviceMemory` before the first step where the step cannot fit a device."""
-    limit = memory_limit()
-    if limit is not None and needed > limit:
-        raise OutOfDeviceMemory(
-            needed, limit, local_device().device_kind, "by the compiler, before the first step"
-        )
+def check_step_fits(needed: int, budget_bytes: float) -> None:
+    """`OutOfDeviceMemory` before the first step where the step cannot fit a device, or
+    the run's budget for one (plan.device_memory_gb, the same on every platform, CPU too)."""
+    device_limit = memory_limit()
+    limit = int(min(budget_bytes, device_limit or budget_bytes))
+    if needed > limit:
+        when = "by the compiler, before the first step"
+        if limit != device_limit:
+            when += ", within plan.device_memory_gb"
+        raise OutOfDeviceMemory(needed, limit, local_device().device_kind, when)
 
 
 @contextmanager

@@ -121,11 +121,15 @@ class OutOfDeviceMemory(RuntimeError):
         )
 
     def __str__(self) -> str:
-        gb = 1e9
-        need = f"needs {self.needed / gb:.2f} GB" if self.needed else "does not fit"
-        has = f" and a {self.device} has {self.limit / gb:.2f} GB" if self.limit else ""
+        need = f"needs {_gb_or_mb(self.needed)}" if self.needed else "does not fit"
+        has = f" and a {self.device} has {_gb_or_mb(self.limit)}" if self.limit else ""
         detail = f" ({self.detail})" if self.detail else ""
         return f"the training step {need} per device{has}, {self.when}{detail}"
+
+
+def _gb_or_mb(n: int) -> str:
+    """A device's bytes as chips are sized (16.91 GB), and a small budget's (7.91 MB)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 Send = Callable[[Event], None]

@@ -34,6 +34,7 @@ from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 from training.parallel.strategy import Strategy  # noqa: E402
+from training.planning.advice import advice, compiled_alternatives  # noqa: E402
 from training.planning.auto import choose, is_auto  # noqa: E402
 from training.planning.auto_layout import AutoLayout  # noqa: E402
 from training.planning.compiled import (  # noqa: E402
@@ -100,11 +101,18 @@ def make_plan(
             alternatives.append(strategy_cost(cfg, model, strategy, mesh, examples))
         except ConfigError:  # a layout this mesh cannot take (fsdp's, the model's): not listed
             continue
+    advised = None
+    over = compiled is not None and compiled.memory.needed > cfg.plan.device_memory_gb * GB
+    if compile and (refused or over):
+        advised = advice(compiled_alternatives(cfg, checked.mesh), cfg.plan.device_memory_gb * GB)
     return LaunchPlan(
         configured,
         alternatives,
         predicted_speedups(cfg, model, configured),
-        [*checked.warnings, *launch_warnings(cfg, model, configured, compiled, refused)],
+        [
+            *checked.warnings,
+            *launch_warnings(cfg, model, configured, compiled, refused, advised),
+        ],
         checked.layout,
         compiled,
         refused,
@@ -136,8 +144,11 @@ def launch_warnings(
     cost: StrategyCost,
     compiled: Compiled | None,
     refused: OutOfDeviceMemory | None = None,
+    advised: str | None = None,
 ) -> list[str]:
-    found = [f"{refused}: a run stops there, before its first step"] if refused else []
+    """What wastes devices or does not fit; `advised`: what fits instead by the compiler,
+    where the configured step was compiled and does not fit."""
+    found = [f"{refused}: a run stops there, before its first step; {advised}"] if refused else []
     hardware = cfg.plan
     if cost.mesh.model > 1:
         data_parallel = Strategy.of(cfg.strategy, "data_parallel")
@@ -167,8 +178,17 @@ def launch_warnings(
             f"plan.min_examples_per_device={hardware.min_examples_per_device}: devices will "
             "mostly wait; raise trainer.global_batch or use fewer devices"
         )
-    why = over_budget(
-        cfg, model, cost.mesh, cost.devices_per_host, compiled.memory if compiled else None
+    why = (
+        None
+        if refused
+        else over_budget(
+            cfg,
+            model,
+            cost.mesh,
+            cost.devices_per_host,
+            compiled.memory if compiled else None,
+            advised,
+        )
     )
     if why:
         found.append(why)

@@ -115,32 +115,50 @@ def test_an_in_process_run_trains_as_one_device_does_and_writes_its_figures(tmp_
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
-def test_a_step_that_does_not_fit_is_one_error_and_what_it_names_fits(tmp_path, monkeypatch):
-    """A device that holds a byte less than the step needs: the run stops before its first
-    step with one error naming the bytes and what fits by the plan; the first option it
-    names then trains, on the same device."""
-    overrides = [*IN_PROCESS, *FAST, *SMALL_TRANSFORMER, "trainer.eval_batches=0"]
-    needed = {}
-    monkeypatch.setattr(device_memory, "memory_limit", lambda: needed.get("limit"))
-    original = device_memory.check_step_fits
+def options_named(message: str) -> list[tuple[str, str]]:
+    named = re.search(r"these fit by their compiled steps: (.*)$", message).group(1)
+    return re.findall(r"(\S+=\S+) \(([\d.]+) MB\)", named)
 
-    def limit_below(need):
-        needed.setdefault("limit", need - 1)
-        original(need)
 
-    monkeypatch.setattr(device_memory, "check_step_fits", limit_below)
-    monkeypatch.setattr("training.host.trainer.check_step_fits", limit_below)
+def test_a_step_over_the_budget_is_one_error_and_every_change_it_names_trains(tmp_path):
+    """plan.device_memory_gb is the budget on CPU too. At 5 MB, between what the changes of
+    one setting need by their compiled steps (remat 3.9-4.5 MB, half the batch 4.9 MB against
+    fsdp 7 MB and accumulate=2 5.8 MB), the run stops before Ray or a host starts with one
+    error naming the step's compiled need and those that fit, each by its compiled step (the
+    estimate said none does); each then trains under the same budget, and fsdp, not named,
+    is refused."""
+    budget = ["plan.device_memory_gb=0.005", "trainer.eval_batches=0"]
+    overrides = [*IN_PROCESS, *FAST, *SMALL_TRANSFORMER, *budget]
     with pytest.raises(ConfigError) as refused:
         run_training(run_config(overrides), tmp_path / "refused")
     message = str(refused.value)
     assert "\n" not in message
-    assert f"needs {(needed['limit'] + 1) / 1e9:.2f} GB" in message, message
-    assert "before the first step" in message and "these fit: " in message, message
-    summary = json.loads((tmp_path / "refused" / "summary.json").read_text())
+    assert re.search(r"needs [\d.]+ MB per device by its compiled step", message), message
+    options = options_named(message)
+    assert {o for o, _ in options} >= {"trainer.remat=full", "trainer.global_batch=16"}, message
+    assert "strategy=fsdp" not in message, message
+    short = ["trainer.steps=2", "trainer.log_interval=1"]
+    for option, figure in options:
+        summary = run_training(run_config([*overrides, *short, option]), tmp_path / option)
+        assert summary["status"] == "completed", option
+        assert summary["step_memory_bytes"] == pytest.approx(float(figure) * 1e6, rel=0.01)
+    with pytest.raises(ConfigError, match="needs 6.9"):
+        run_training(run_config([*overrides, "strategy=fsdp"]), tmp_path / "fsdp")
+
+
+def test_a_step_the_estimate_fits_and_the_compiler_does_not_stops_on_the_host(tmp_path):
+    """At 7 MB the estimate (6.3 MB) fits and the compiled step (7.9 MB) does not: the host
+    refuses it before its first step, against plan.device_memory_gb, and the error names the
+    changes that fit by their compiled steps."""
+    budget = ["plan.device_memory_gb=0.007", "trainer.eval_batches=0"]
+    with pytest.raises(ConfigError) as refused:
+        run_training(run_config([*IN_PROCESS, *FAST, *SMALL_TRANSFORMER, *budget]), tmp_path)
+    message = str(refused.value)
+    assert re.search(r"needs [\d.]+ MB per device and a cpu has 7 MB", message), message
+    assert "before the first step, within plan.device_memory_gb" in message, message
+    assert {o for o, _ in options_named(message)} >= {"trainer.remat=full"}, message
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["logged_steps"] == []
-    option = re.search(r"these fit: (\S+)", message).group(1)
-    summary = run_training(run_config([*overrides, option]), tmp_path / "fits")
-    assert summary["status"] == "completed" and summary["step_memory_bytes"] <= needed["limit"]
 
 
 HELD = 3_700_000_000  # bytes per device of the state and batch the step reads

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import replace
-
 from training import models
 from training.build import count_parameters
 from training.checkpoint.inspection import inspect_checkpoints
@@ -21,6 +18,8 @@ from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning import costs
 from training.planning.abstract import ModelKey, abstract_keras_model
+from training.planning.advice import advice, compiled_alternatives, ways_to_hold_less
+from training.planning.compiled import compile_ahead_of_time, compiles_here
 from training.planning.layout import resolve_layout
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
@@ -82,8 +81,17 @@ def check_memory_fits(
     compiled: CompiledMemory | None = None,
 ) -> None:
     """The memory per device for the configured strategy (compiled, or the plan's estimate)
-    within plan.device_memory_gb."""
+    within plan.device_memory_gb. Where the estimate says it does not fit and this process
+    compiles the hosts' step, the compiler decides, and names what fits instead."""
     why = costs.over_budget(cfg, model, mesh, per_host, compiled)
+    if why and compiled is None and compiles_here(cfg, mesh):
+        try:
+            compiled = compile_ahead_of_time(cfg, mesh).memory
+        except OutOfDeviceMemory as refused:
+            raise ConfigError(f"{refused}. {_what_fits(cfg, mesh, refused.limit)}") from None
+        budget = cfg.plan.device_memory_gb * 1e9
+        advised = None if compiled.needed <= budget else _what_fits(cfg, mesh, budget)
+        why = advised and costs.over_budget(cfg, model, mesh, per_host, compiled, advised)
     if why:
         raise ConfigError(
             f"{why}. python -m training.plan shows each strategy's figures; "
@@ -92,16 +100,20 @@ def check_memory_fits(
 
 
 def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemory) -> str:
-    """`oom` (a host's step that does not fit its devices) and the changes that fit them by
-    the plan, scaled by how far the compiler's figure for this step is from the plan's."""
+    """`oom` (a host's step that does not fit its devices) and the changes that fit them:
+    each compiled ahead of time where this process compiles the hosts' step (a run in one
+    process, CPU hosts), else by the plan's estimate scaled by how far the compiler's
+    figure for this step is from it."""
     if oom.limit is None:
         return f"{oom}; trainer.remat, strategy=fsdp or a smaller micro-batch hold less"
+    if compiles_here(cfg, checked.mesh):
+        return f"{oom}. {_what_fits(cfg, checked.mesh, oom.limit)}"
     spec, mesh = checked.data_spec, checked.mesh
     model = costs.abstract_model(cfg, spec)
     planned = _planned_bytes(cfg, model, mesh)
     scale = oom.needed / planned if oom.needed else 1.0
     fits = []
-    for override, variant in _ways_to_hold_less(cfg, mesh):
+    for override, variant in ways_to_hold_less(cfg, mesh):
         same_model = variant.trainer.remat == cfg.trainer.remat
         needed = scale * _planned_bytes(
             variant, model if same_model else costs.abstract_model(variant, spec), mesh
@@ -120,36 +132,13 @@ def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemo
     )
 
 
+def _what_fits(cfg: RunConfig, mesh: MeshShape, budget_bytes: float) -> str:
+    return advice(compiled_alternatives(cfg, mesh), budget_bytes)
+
+
 def _planned_bytes(cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape) -> int:
     strategy = Strategy.of(cfg.strategy)
     return costs.memory_cost(cfg, model, strategy, mesh, cfg.trainer.micro_batch).total_bytes
-
-
-def _ways_to_hold_less(cfg: RunConfig, mesh: MeshShape) -> Iterator[tuple[str, RunConfig]]:
-    """The changes of one setting that hold less per device: remat, fsdp, more
-    micro-batches, half the batch; each as its override and the config it makes."""
-    trainer, strategy = cfg.trainer, cfg.strategy
-    chosen = Strategy.of(strategy)
-    for mode in ("dots", "full"):
-        if trainer.remat not in (mode, "full"):
-            yield f"trainer.remat={mode}", replace(cfg, trainer=replace(trainer, remat=mode))
-    if chosen.replicates and mesh.data > 1:
-        yield "strategy=fsdp", replace(cfg, strategy=replace(strategy, name="fsdp"))
-    if chosen.axes == ("data", "model") and not chosen.shards_over_data:
-        yield "strategy.fsdp=true", replace(cfg, strategy=replace(strategy, fsdp=True))
-    batch = trainer.global_batch
-    for accumulate in (2 * trainer.accumulate, 4 * trainer.accumulate):
-        if batch % accumulate == 0 and (batch // accumulate) % mesh.data == 0:
-            yield (
-                f"trainer.accumulate={accumulate}",
-                replace(cfg, trainer=replace(trainer, accumulate=accumulate)),
-            )
-    half = batch // 2
-    if trainer.micro_batch % 2 == 0 and (trainer.micro_batch // 2) % mesh.data == 0:
-        yield (
-            f"trainer.global_batch={half}",
-            replace(cfg, trainer=replace(trainer, global_batch=half)),
-        )
 
 
 def check_enough_examples(trainer: TrainerConfig, data_spec: DataSpec) -> None:

@@ -112,7 +112,15 @@ def train(
     )
     profile = StepProfile(cfg.trainer.profile_steps, cfg.trainer.profile_dir, process)
     final_loss, reached = _train_loop(
-        cfg.trainer, model, feed, examples_per_step, send, start, guard, profile
+        cfg.trainer,
+        cfg.plan.device_memory_gb * 1e9,
+        model,
+        feed,
+        examples_per_step,
+        send,
+        start,
+        guard,
+        profile,
     )
     if checkpoints:
         checkpoints.close()
@@ -205,6 +213,7 @@ def _any_host(flag: bool, point: str, timeout_s: float) -> bool:
 
 def _train_loop(
     trainer: TrainerConfig,
+    budget_bytes: float,
     model,
     feed: HostFeed,
     examples_per_step,
@@ -214,8 +223,10 @@ def _train_loop(
     profile: StepProfile,
 ) -> tuple[float | None, int]:
     """Train from step `start`; send each logged step. Return the last logged loss (None
-    if no step was left) and the step reached. The first step is waited for and reported
-    with how long the step took to compile and whether the compile cache served it."""
+    if no step was left) and the step reached. The step must fit `budget_bytes` per device
+    (plan.device_memory_gb) as well as the devices' own memory. The first step is waited
+    for and reported with how long the step took to compile and whether the compile cache
+    served it."""
     if start >= trainer.steps:
         return None, start
     guard.phase.set(COMPILING)
@@ -226,7 +237,7 @@ def _train_loop(
         with cache_outcome() as compiled, out_of_memory_explained("by the compiler", held):
             compiled["compile_seconds"] = runner.compile(batches.peek())
         compiled["step_memory_bytes"] = runner.memory.needed
-        check_step_fits(runner.memory.needed)
+        check_step_fits(runner.memory.needed, budget_bytes)
         with out_of_memory_explained("at run time"):
             reached = _steps(
                 trainer,

@@ -147,6 +147,18 @@ def compile_where_the_run_would(cfg: RunConfig) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
 
 
+def compiles_here(cfg: RunConfig, mesh: MeshShape) -> bool:
+    """Whether a step compiled in this process is the hosts' own: the host is this process
+    (cluster=inprocess), or the hosts are CPU hosts and this process simulates enough CPU
+    devices for `mesh`. A driver never opens the accelerators its hosts hold."""
+    import jax
+
+    if cfg.cluster.name != "inprocess" and cfg.cluster.platform != "cpu":
+        return False
+    devices = jax.devices()
+    return devices[0].platform == cfg.cluster.platform and len(devices) >= mesh.devices
+
+
 def train_step_hlo(model, x, y) -> str:
     """The optimized HLO of the hosts' step for the model."""
     return compiled_train_step(model, x, y).as_text()

@@ -339,10 +339,11 @@ def over_budget(
     mesh: MeshShape,
     per_host: int,
     compiled: CompiledMemory | None = None,
+    advice: str | None = None,
 ) -> str | None:
-    """Why the configured strategy does not fit plan.device_memory_gb, and what does; None
-    where it fits. By the `compiled` step's need where it was compiled, else by the
-    estimate."""
+    """Why the configured strategy does not fit plan.device_memory_gb, and what does (the
+    `advice` given, else the strategies that fit by the estimate); None where it fits. By
+    the `compiled` step's need where it was compiled, else by the estimate."""
     budget = cfg.plan.device_memory_gb
     examples = cfg.trainer.micro_batch
     strategy = Strategy.of(cfg.strategy)
@@ -350,8 +351,8 @@ def over_budget(
     needed = compiled.needed if compiled is not None else memory.total_bytes
     if needed <= budget * 1e9:
         return None
-    fits = fitting_strategies(cfg, model, mesh.devices, per_host, examples)
-    alternatives = (
+    fits = [] if advice else fitting_strategies(cfg, model, mesh.devices, per_host, examples)
+    alternatives = advice or (
         "these fit by the plan's estimate: "
         + ", ".join(
             f"{s.as_overrides()} mesh {m.data}×{m.model} ({readable_bytes(c.total_bytes)})"
