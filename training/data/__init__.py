@@ -72,7 +72,8 @@ def sampled_fingerprint(*parts: object, arrays: tuple[np.ndarray, ...] = (), blo
     digest = hashlib.sha256(repr(parts).encode())
     for array in arrays:
         digest.update(f"{array.dtype}{array.shape}".encode())
-        flat = array.reshape(-1) if array.flags.c_contiguous else np.ravel(array)
+        # A flat array is read as it is (a bucket's, training/data/storage.py, by ranges).
+        flat = array if array.ndim == 1 else np.ravel(array)
         if flat.size == 0:
             continue
         block = max(1, min(flat.size, 4096 // max(1, flat.itemsize)))

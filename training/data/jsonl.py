@@ -8,7 +8,8 @@ padding to `seq_len + 1`; x is the first `seq_len` (`token_ids` and their `paddi
 y the last `seq_len`, and the sample weight 1 where y is a real token (of the response only,
 where there is a prompt), so padding and prompt carry no loss.
 
-The file is indexed by line on open (one pass over its bytes) and memory-mapped; the lines
+The file is indexed by line on open (one pass over its bytes) and memory-mapped, or streamed
+once from a bucket and then read by byte ranges (`training/data/storage.py`); the lines
 are visited in a fresh shuffle each epoch (`EpochOrder`), held-out lines in file order.
 Held out: `data.held_out_path`, or else the file's last `data.held_out_percent` of lines.
 """
@@ -17,19 +18,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from training.config import ConfigError, JsonlDataConfig
 from training.contracts import SPLITS, ArraySpec, DataSpec
 from training.data import EpochOrder, sampled_fingerprint
+from training.data.storage import BucketArray, newlines, open_flat
 
 
 @dataclass
 class _Split:
     path: str
-    text: np.ndarray  # the file's bytes, memory-mapped
+    text: np.ndarray | BucketArray  # the file's bytes, memory-mapped or in a bucket
     starts: np.ndarray  # each example's first byte
     ends: np.ndarray  # and the byte after its last
     order: EpochOrder
@@ -40,15 +41,12 @@ class _Split:
         return int(np.count_nonzero(self.text[:start] == ord("\n"))) + 1
 
 
-def _lines(path: str, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _lines(path: str, what: str) -> tuple[np.ndarray | BucketArray, np.ndarray, np.ndarray]:
     """(bytes, starts, ends) of the file's non-empty lines."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what}={path!r} {'is not a file' if p.exists() else 'does not exist'}")
-    if p.stat().st_size == 0:
+    text = open_flat(path, np.uint8, what, "bytes")
+    if not len(text):
         raise ConfigError(f"{what}={path!r} is empty")
-    text = np.memmap(p, dtype=np.uint8, mode="r")
-    breaks = np.flatnonzero(text == ord("\n"))
+    breaks = newlines(text)
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks, [len(text)]])
     kept = ends - starts > 1  # a line of at least one character besides a '\r'

@@ -1,6 +1,7 @@
 """Token ids in a flat binary file (what nanoGPT-style prepare scripts write as train.bin).
 
-The file is memory-mapped; a batch reads only its own windows. Windows of `seq_len + 1` tokens
+The file is memory-mapped, or read by byte ranges from a bucket (`training/data/storage.py`);
+a batch reads only its own windows. Windows of `seq_len + 1` tokens
 start every `seq_len` tokens, so every token but a split's first is predicted exactly once per
 epoch: x is a window's first `seq_len` tokens, y its last `seq_len`, both int32. Held-out
 tokens come from `data.held_out_path`, or else are the last `data.held_out_percent` of the
@@ -14,7 +15,6 @@ token id is not looked for, as that would read the whole file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -25,32 +25,13 @@ from training.data import (
     in_file_order,
     sampled_fingerprint,
 )
-
-
-def open_tokens(path: str, dtype: np.dtype, what: str) -> np.memmap:
-    p = Path(path)
-    if not p.is_file():
-        state = "is not a file" if p.exists() else "does not exist"
-        raise ConfigError(f"{what}={path!r} {state}")
-    try:
-        size = p.stat().st_size
-        with open(p, "rb"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{what}={path!r} cannot be read: {e.strerror}") from e
-    if size % dtype.itemsize:
-        raise ConfigError(
-            f"{what}={path!r} has {size} bytes, not a whole number of {dtype} token ids "
-            f"({dtype.itemsize} bytes each): is data.dtype right?"
-        )
-    if size == 0:
-        return np.zeros(0, dtype=dtype)  # refused below: fewer tokens than one window
-    return np.memmap(p, dtype=dtype, mode="r")
+from training.data.storage import BucketArray, open_flat, stored_bytes
+from training.data.storage import windows as read_windows
 
 
 @dataclass
 class _Split:
-    tokens: np.ndarray
+    tokens: np.ndarray | BucketArray
     start: int  # the split's first token in `tokens`
     count: int  # tokens in the split
     windows: int
@@ -62,13 +43,12 @@ class TokenData:
         self.cfg = cfg
         self.seq_len, self.window = cfg.seq_len, cfg.seq_len + 1
         dtype = np.dtype(cfg.dtype)
-        train = open_tokens(cfg.path, dtype, "data.path")
+        train = open_flat(cfg.path, dtype, "data.path", "token ids")
         sources = {"train": (cfg.path, "data.path")}
         if cfg.held_out_path:
-            held = open_tokens(cfg.held_out_path, dtype, "data.held_out_path")
+            held = open_flat(cfg.held_out_path, dtype, "data.held_out_path", "token ids")
             sources["held_out"] = (cfg.held_out_path, "data.held_out_path")
             parts = {"train": (train, 0, len(train)), "held_out": (held, 0, len(held))}
-            files = [cfg.path, cfg.held_out_path]
         else:
             held_count = round(len(train) * cfg.held_out_percent / 100)
             sources["held_out"] = sources["train"]
@@ -76,7 +56,6 @@ class TokenData:
                 "train": (train, 0, len(train) - held_count),
                 "held_out": (train, len(train) - held_count, held_count),
             }
-            files = [cfg.path]
         self.splits = {}
         for split, (tokens, start, count) in parts.items():
             windows = (count - 1) // self.seq_len if count >= self.window else 0
@@ -99,22 +78,22 @@ class TokenData:
             labels=sequence,
             examples=self.splits["train"].windows,
             held_out_examples=self.splits["held_out"].windows,
-            fingerprint=self._fingerprint(files),
+            fingerprint=self._fingerprint(),
             num_classes=cfg.vocab_size or None,
             baseline_loss=None,
             positions_per_example=cfg.seq_len,
         )
 
-    def _fingerprint(self, files: list[str]) -> str:
+    def _fingerprint(self) -> str:
         """Sizes, the split, and sampled blocks of each file: O(1) reads."""
         parts = [
             ("tokens", self.cfg.dtype, self.seq_len, split, part.start, part.count)
             for split, part in self.splits.items()
         ]
-        sizes = [Path(f).stat().st_size for f in files]
         arrays = [self.splits["train"].tokens]
         if self.splits["held_out"].tokens is not arrays[0]:
             arrays.append(self.splits["held_out"].tokens)
+        sizes = [stored_bytes(a) for a in arrays]
         return sampled_fingerprint(*parts, sizes, arrays=tuple(arrays))
 
     def _part(self, split: str) -> _Split:
@@ -134,7 +113,7 @@ class TokenData:
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         part = self._part(split)
         starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
-        windows = restore(part.tokens[starts[:, None] + np.arange(self.window)]).astype(np.int32)
+        windows = restore(read_windows(part.tokens, starts, self.window)).astype(np.int32)
         vocab = self.cfg.vocab_size
         low, high = (int(windows.min()), int(windows.max())) if windows.size else (0, 0)
         if low < 0 or (vocab and high >= vocab):

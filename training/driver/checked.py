@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.common import names_object
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
+from training.data.storage import check_data_files
 from training.models.locate import check_found
 from training.parallel.mesh import MeshShape, resolve_mesh, settled
 from training.parallel.strategy import Strategy
@@ -41,10 +42,11 @@ class Checked:
 
 
 def check_sizes(cfg: RunConfig) -> MeshShape:
-    """The instant checks: the modules the config names exist, the mesh against the
-    cluster, the batch against the mesh."""
+    """The instant checks: the modules the config names exist, the data's bucket objects
+    are there, the mesh against the cluster, the batch against the mesh."""
     for key, path in named_objects(cfg):
         check_found(key, path)
+    check_data_files(cfg.data)
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(Strategy.of(cfg.strategy), cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)

@@ -6,6 +6,7 @@ sets it in the driver's own process before anything imports JAX.
 
 from __future__ import annotations
 
+from training.data.storage import ENDPOINT_VARIABLES
 from training.models.remat import cpu_xla_flags
 from training.tpus import tpu_environment
 
@@ -24,10 +25,14 @@ def host_environment(
     with libtpu; `tpu_share`: (host, hosts) where several hosts share one TPU VM's chips
     (`training.tpus.tpu_environment`). On CPU, `devices_per_host` devices are simulated.
     `inherited`: the environment the host starts from (the driver's, for a local run);
-    settings the user made there are kept."""
+    settings the user made there are kept, and where its buckets are."""
     # Ray runs workers at niceness 15; a host's training is the node's main work, and a niced
     # host loses the CPU (input feeding, collectives' threads) to anything else running there.
-    common = {"KERAS_BACKEND": "jax", "RAY_worker_niceness": "0"}
+    common = {
+        "KERAS_BACKEND": "jax",
+        "RAY_worker_niceness": "0",
+        **{k: v for k in ENDPOINT_VARIABLES if (v := (inherited or {}).get(k))},
+    }
     if platform == "gpu":
         from training.gpus import gpu_environment
 
