@@ -32,8 +32,7 @@ CRD_DIR = Path(
     os.environ.get("KUBERAY_CRD_DIR", REPO.parent / "shared" / "kuberay" / kuberay.KUBERAY_VERSION)
 )
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
-# The Kubernetes release whose pod schema the pod templates are checked against (GKE's
-# regular channel).
+# The Kubernetes release whose pod schema the pod templates are checked against.
 KUBERNETES_VERSION = "1.33"
 
 
