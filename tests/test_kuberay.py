@@ -25,11 +25,13 @@ from training.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((REPO / "cluster" / "kuberay").glob("*.yaml"))
-# KubeRay's CRDs at the release the manifests are written for, as the KubeRay repository has
-# them (ray-operator/config/crd/bases/): placed in the shared/ folder beside the repository,
-# or where KUBERAY_CRD_DIR says. No package registry ships them.
+# The KubeRay release whose CRDs the manifests are checked against (its `authOptions`, token
+# authentication, needs 1.5 or later), and where those CRDs are, as the KubeRay repository has
+# them at that tag (ray-operator/config/crd/bases/): in the shared/ folder beside the
+# repository, or where KUBERAY_CRD_DIR says. No package registry ships them.
+KUBERAY_RELEASE = "v1.7.0"
 CRD_DIR = Path(
-    os.environ.get("KUBERAY_CRD_DIR", REPO.parent / "shared" / "kuberay" / kuberay.KUBERAY_VERSION)
+    os.environ.get("KUBERAY_CRD_DIR", REPO.parent / "shared" / "kuberay" / KUBERAY_RELEASE)
 )
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 # The Kubernetes release whose pod schema the pod templates are checked against.
@@ -220,7 +222,7 @@ def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
     path = CRD_DIR / CRD_FILES[kind]
     if not path.exists():
         pytest.skip(
-            f"KubeRay {kuberay.KUBERAY_VERSION}'s {CRD_FILES[kind]} is not in {CRD_DIR} (the "
+            f"KubeRay {KUBERAY_RELEASE}'s {CRD_FILES[kind]} is not in {CRD_DIR} (the "
             "KubeRay repository's ray-operator/config/crd/bases/ at that tag; no package "
             "registry ships it)"
         )

@@ -1,4 +1,4 @@
-"""`python -m training.kuberay [--kind job|cluster] [options] -- OVERRIDES`: the KubeRay
+"""`python -m training.kuberay [--kind job|cluster] [options] OVERRIDES`: the KubeRay
 manifest of the Ray cluster a `cluster=ray` run config describes, printed as YAML.
 
 The overrides are `training.run`'s, composed and checked the same way. The cluster they
@@ -28,9 +28,6 @@ from training.config import AUTO, ConfigError, RayClusterConfig, compose_run_con
 from training.driver.cluster import sized_to_tpu_slice
 
 API_VERSION = "ray.io/v1"
-# The KubeRay release whose CRDs the manifests are checked against (tests/test_kuberay.py);
-# `authOptions` (token authentication) needs 1.5 or later.
-KUBERAY_VERSION = "v1.7.0"
 # Ray of the image: the Ray this project pins (pyproject.toml), rayproject/ray's tag.
 RAY_VERSION = "2.60.0"
 GKE_TPU_ACCELERATOR = "cloud.google.com/gke-tpu-accelerator"
