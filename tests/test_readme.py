@@ -13,7 +13,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from tests.test_cli import run_module
-from training import plan
+from training import kuberay, plan
 from training.config import compose_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +81,7 @@ def test_the_readme_shows_each_cli():
         "training.report",
         "training.export",
         "training.generate",
+        "training.kuberay",
     }
     assert any(c.cwd == ROOT / "examples" for c in COMMANDS)
 
@@ -96,6 +97,15 @@ def test_each_run_command_composes_as_written(command, monkeypatch):
 def test_each_plan_command_runs_as_written(command, monkeypatch):
     monkeypatch.chdir(command.cwd)
     assert plan.main(list(command.args)) == 0
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if c.module == "training.kuberay"], ids=str
+)
+def test_each_kuberay_command_renders_the_manifest_it_writes(command):
+    args = list(command.args)
+    written = args[args.index(">") + 1]
+    assert kuberay.render(args[: args.index(">")]) == (command.cwd / written).read_text()
 
 
 @pytest.mark.parametrize(
