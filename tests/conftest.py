@@ -11,6 +11,7 @@ import tempfile
 import time
 import unicodedata
 
+from tests.object_storage import use_emulator_credentials
 from training.models.remat import cpu_xla_flags
 
 # Before anything imports jax: this process gets 8 CPU devices for in-process tests.
@@ -19,11 +20,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # The local cluster simulates CPU hosts in the tests, also on a machine with GPUs.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["KERAS_BACKEND"] = "jax"
-# The S3 emulator's (tests/object_storage.py), set before any Ray instance starts so that its
-# hosts have them: botocore signs every request, and finds no credentials otherwise.
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# Before the session's Ray instance starts, so that its hosts have them.
+use_emulator_credentials()
 # The test run's own cache directory, so JAX's compilation cache (trainer.compile_cache_dir's
 # default, under $XDG_CACHE_HOME) is neither the user's nor another test run's; the Ray
 # instances and CLI processes the tests start inherit it.

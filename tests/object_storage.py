@@ -16,6 +16,14 @@ BUCKET = "training-data"
 READY_S = 60.0
 
 
+def use_emulator_credentials() -> None:
+    """Credentials for the S3 emulator, unless some are set: botocore signs every request and
+    finds none otherwise. Set before a Ray instance starts, so that its hosts have them."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -62,6 +70,7 @@ def storage_server(command: list[str], variable: str, log: Path):
 @contextmanager
 def s3_bucket(log_dir: Path):
     """s3://BUCKET on moto's server."""
+    use_emulator_credentials()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"]
     with storage_server(command, "AWS_ENDPOINT_URL", log_dir / "moto.log"):
         import fsspec
