@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import FAST, run_config
 from tests.driver.test_in_process import IN_PROCESS, WITHOUT_RAY
+from training.driver.summary import preemption_summary
 from training.host import preemption
 from training.host.preemption import NoticeWatch, Preemption, gce_notices, metadata_server
 from training.run import run_training
@@ -156,8 +157,6 @@ def test_a_trial_preempted_by_a_maintenance_event_runs_again_and_resumes(metadat
 
 def test_the_summary_says_who_stopped_the_run_and_whether_the_save_beat_the_grace():
     """The hosts' own records of a stop, joined by the driver into summary.json."""
-    from training.driver.summary import preemption_summary
-
     cfg = run_config(["fault.preemption_grace_s=5"])
     noticed = {"reached_step": 17, "preemption": {"notices": ["GCE x=Y"], "saved_seconds": 6.0}}
     unaware = {"reached_step": 17, "preemption": {"notices": [], "saved_seconds": 1.0}}

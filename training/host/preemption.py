@@ -13,11 +13,11 @@ cluster (`cluster=inprocess`), needs no agreement: a notice there stops it at it
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +32,8 @@ GCE_PRODUCT_NAME_FILE = Path("/sys/class/dmi/id/product_name")
 # Each instance value and the one that means no notice.
 METADATA_NOTICES = {"instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
 METADATA_TIMEOUT_S = 2.0
+# The metadata server is the machine's own: never asked through an HTTP proxy.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 NOTICE_POLL_S = 1.0
 
 # A notice: a callable returning what it saw ("GCE instance/preempted=TRUE"), or None.
@@ -146,7 +148,7 @@ def _metadata_value(server: str, key: str) -> str | None:
         f"http://{server}/computeMetadata/v1/{key}", headers={"Metadata-Flavor": "Google"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=METADATA_TIMEOUT_S) as answer:
+        with DIRECT.open(request, timeout=METADATA_TIMEOUT_S) as answer:
             return answer.read().decode().strip()
-    except (urllib.error.URLError, OSError):
+    except (OSError, http.client.HTTPException):  # URLError and HTTPError are OSErrors
         return None
