@@ -4,6 +4,7 @@ or stalled host replaced; Ctrl-C and SIGTERM; NaN."""
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -274,6 +275,60 @@ def test_sigterm_checkpoints_the_current_step_and_the_next_run_resumes(ray_clust
         tmp_path / "resumed",
     )
     assert resumed["resumed_from_step"] == stopped and resumed["status"] == "completed"
+
+
+def test_sigterm_to_one_host_saves_every_host_at_one_step_and_resumes_exactly(
+    ray_cluster, tmp_path
+):
+    """A preempted machine's SIGTERM goes to its host's process, not the driver: at a random
+    step of a 2-host run with checkpoints every 1,000 steps, every host saves at the next
+    step all reach and stops, nothing trained is lost, and the same command resumes to the
+    losses of an uninterrupted run."""
+    at = random.randint(3, 40)
+    checkpoints = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=1000"]
+    hit = signal_a_host_after_step(tmp_path / "a", at, signal.SIGTERM)
+    saved = first_checkpoint_seen(tmp_path / "ckpt")
+    first = run_training(
+        run_config(CHECKPOINTED + checkpoints + ["trainer.steps=200"]), tmp_path / "a"
+    )
+    assert "pid" in hit, f"no host was signalled: {hit}"
+    assert first["status"] == "preempted", first.get("error")
+    assert first["stopped_by"] == "SIGTERM to a host's process"
+    stopped = first["checkpoint_step"]
+    # Every step trained was saved: the hosts stopped at the step they checkpointed.
+    assert first["preemption"]["step"] == first["logged_steps"][-1] == stopped
+    assert at <= stopped < 1000 and first["hosts"] == 2
+    more = [f"trainer.steps={stopped + 3}"]
+    resumed = run_training(run_config(CHECKPOINTED + checkpoints + more), tmp_path / "b")
+    whole = run_training(run_config(CHECKPOINTED + more), tmp_path / "c")
+    assert resumed["resumed_from_step"] == stopped and resumed["status"] == "completed"
+    np.testing.assert_allclose(
+        first["loss_history"] + resumed["loss_history"], whole["loss_history"], rtol=1e-6
+    )
+    print(
+        f"signalled at logged step {at}; saved step {stopped} "
+        f"{saved.get('at', float('nan')) - hit['at']:.2f} s after the signal "
+        f"(hosts: {first['preemption']['saved_seconds']:.2f} s after they knew; "
+        f"grace {first['preemption']['grace_seconds']} s)"
+    )
+    assert_no_actor_left()
+
+
+def first_checkpoint_seen(directory: Path) -> dict:
+    """In a thread: when (`at`, wall clock) a finished checkpoint step first appears in
+    `directory` (orbax renames a step's directory to its number once it is complete)."""
+    seen: dict = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir()):
+                seen["at"] = time.time()
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return seen
 
 
 def test_a_second_signal_stops_at_once():

@@ -206,9 +206,18 @@ def main(cfg: DictConfig) -> float:
     if summary["status"] == "preempted":
         errors.print(
             f"stopped by {summary['stopped_by']} after step {summary['checkpoint_step']}, "
-            f"checkpointed in {summary['checkpoint_dir']}: the same command resumes from it"
+            f"checkpointed in {summary['checkpoint_dir']}{_saved_in(summary)}: the same "
+            "command resumes from it"
         )
     return objective(summary, run.sweep)
+
+
+def _saved_in(summary: dict) -> str:
+    """How long the save took after the hosts knew, where they were told to stop."""
+    if not (stop := summary.get("preemption")):
+        return ""
+    over = "" if stop["within_grace"] else ", past fault.preemption_grace_s"
+    return f" {stop['saved_seconds']:.1f} s after the notice{over}"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ never contend for one machine's accelerator.
 
 Each finished trial adds its row to sweep_summary.json/.csv in the sweep directory; the
 table is printed when the batch ends. Failed trials are reported to Hydra as failed jobs,
-so a sweep with a failed trial exits non-zero.
+so a sweep with a failed trial exits non-zero. A trial whose hosts were preempted (a notice
+to them, not a signal to the sweep) is run again: it resumes from the checkpoint they saved.
 """
 
 # No `from __future__ import annotations`: Hydra's plugin scan runs this module before it is
@@ -213,14 +214,17 @@ class HostGroupLauncher(Launcher):
         config.checkpoint.dir = f"{str(directory).rstrip('/')}/{name}"
 
     def _run_here(self, trial: Trial, sweep_dir: Path) -> JobReturn:
-        """One trial of an in-process sweep, in this process."""
-        trial.submitted_at = time.time()
+        """One trial of an in-process sweep, in this process (again while its hosts are
+        preempted)."""
         state = Singleton.get_state()
-        try:
-            job_return = _run_trial(self.hydra_context, trial.config, self.task_function, state)
-        finally:
-            Singleton.set_state(state)  # the trial's job settings are not the sweep's
-        return self._finish(trial, job_return, sweep_dir)
+        while True:
+            trial.submitted_at = time.time()
+            try:
+                job_return = _run_trial(self.hydra_context, trial.config, self.task_function, state)
+            finally:
+                Singleton.set_state(state)  # the trial's job settings are not the sweep's
+            if not self._run_again(trial):
+                return self._finish(trial, job_return, sweep_dir)
 
     def _run_on_ray(
         self, trials: list[Trial], cluster, max_concurrent: int, sweep_dir: Path
@@ -264,6 +268,9 @@ class HostGroupLauncher(Launcher):
                 except RayError as error:  # the trial's process died: Hydra could not report it
                     job_return = JobReturn(overrides=trial.overrides, status=JobStatus.FAILED)
                     job_return.return_value = error
+                if self._run_again(trial):
+                    waiting.appendleft(trial)
+                    continue
                 returns[trial.number] = self._finish(trial, job_return, sweep_dir)
         except KeyboardInterrupt:
             # Stop the running trials; their host actors die with their processes.
@@ -275,6 +282,21 @@ class HostGroupLauncher(Launcher):
                 f"those that ended are in {json_path}"
             ) from None
         return returns
+
+    def _run_again(self, trial: Trial) -> bool:
+        """Whether the trial was preempted by a notice to its hosts (not the sweep's own
+        signal) after training some steps: it runs again, resuming from its checkpoint."""
+        summary = read_summary(trial.output_dir, trial.submitted_at)
+        stop = summary.get("preemption")
+        if summary.get("status") != "preempted" or not stop or stop["by"] != "hosts":
+            return False
+        if stop["step"] <= summary["resumed_from_step"]:
+            return False
+        log.info(
+            f"#{trial.number} preempted at step {stop['step']} ({summary['stopped_by']}): "
+            "running it again from its checkpoint"
+        )
+        return True
 
     def _finish(self, trial: Trial, job_return: JobReturn, sweep_dir: Path) -> JobReturn:
         error = None

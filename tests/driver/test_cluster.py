@@ -522,3 +522,56 @@ def _connections(process) -> list:
         return process.net_connections(kind="inet")
     except psutil.Error:  # a process that ended meanwhile
         return []
+
+
+DRAIN = """
+import sys, time, ray
+from ray.core.generated.autoscaler_pb2 import DrainNodeReason
+
+address, node = sys.argv[1:]
+deadline_ms = int(time.time() * 1000) + 30_000
+accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+    node, DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "a spot node taken back",
+    deadline_ms
+)
+assert accepted, why
+"""
+
+
+def test_ray_draining_a_hosts_node_checkpoints_every_host_at_one_step(tmp_path):
+    """Ray drains one host's node (a spot node taken back, as the autoscaler or KubeRay
+    does): every host saves at one step, and the summary names the drain."""
+    (tmp_path / "cluster").mkdir()
+    with cluster_process(tmp_path / "cluster", hosts=2, cpus_per_host=4) as cluster:
+        run_dir, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+        run = subprocess.Popen(
+            [sys.executable, "-m", "training.run", f"hydra.run.dir={run_dir}", "cluster=ray"]
+            + [f"cluster.address={cluster.address}", *ON_THE_TEST_CLUSTER, *FAST]
+            + ["trainer.steps=300", "trainer.log_interval=1", "trainer.eval_batches=0"]
+            + [f"checkpoint.dir={checkpoints}", "checkpoint.interval=1000"],
+            cwd=REPO,
+            env=cluster.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline and run.poll() is None, run.stdout.read()[-3000:]
+            time.sleep(0.1)
+        drained = cluster.host_node_ids[1]
+        subprocess.run(
+            [sys.executable, "-c", DRAIN, cluster.address, drained],
+            env=cluster.env,
+            check=True,
+            timeout=60,
+        )
+        output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (
+        summary["status"] == "preempted" and summary["stopped_by"] == f"Ray drains node {drained}"
+    )
+    stopped = summary["checkpoint_step"]
+    assert summary["preemption"]["step"] == summary["logged_steps"][-1] == stopped < 300

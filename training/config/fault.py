@@ -26,11 +26,17 @@ class FaultConfig:
     # A NaN or infinite loss stops the run, naming the step; the checkpoints so far (all
     # saved from finite losses) are kept.
     on_nan: str = "stop"
+    # The seconds a preempted machine's processes have between the notice (SIGTERM, GCE's
+    # metadata, Ray draining the node) and their end (about 30 on GCE and GKE): the hosts
+    # checkpoint at the next step all reach, and the summary says whether that save
+    # finished within it.
+    preemption_grace_s: float = 25.0
 
     def __post_init__(self) -> None:
         require(self.startup_timeout_s > 0, "fault.startup_timeout_s must be > 0")
         require(self.step_timeout_s > 0, "fault.step_timeout_s must be > 0")
         require(self.max_restarts >= 0, "fault.max_restarts must be >= 0")
+        require(self.preemption_grace_s > 0, "fault.preemption_grace_s must be > 0")
         require(
             self.on_nan in NAN_POLICIES,
             f"fault.on_nan={self.on_nan!r} is not one of {', '.join(NAN_POLICIES)}",

@@ -61,7 +61,7 @@ class Observed:
 
 def run_status(results: list[dict], steps: int) -> str:
     """`completed` (trained to trainer.steps, or stopped early by trainer.early_stopping),
-    or `preempted` (stopped by a signal, checkpointed)."""
+    or `preempted` (stopped by a signal or a notice, checkpointed)."""
     reached = min(r["reached_step"] for r in results)
     stopped_early = (results[0]["early_stopping"] or {}).get("stopped_at_step")
     return "completed" if reached >= steps or stopped_early == reached else "preempted"
@@ -200,9 +200,35 @@ def _checkpoint_summary(cfg: RunConfig, results: list[dict], stop_signal: int | 
     if results and (step := newest_step(cfg.checkpoint)) is not None:
         summary["checkpoint_step"] = step
         summary["checkpoint_bytes"] = directory_bytes(cfg.checkpoint, step)
-    if stop_signal is not None:
-        summary["stopped_by"] = signal.Signals(stop_signal).name
+    summary.update(preemption_summary(cfg, results, stop_signal))
     return summary
+
+
+# What a host's stop without a notice it knew of came from: JAX's own handler took the
+# SIGTERM (`training.host.preemption`).
+UNNAMED_NOTICE = "SIGTERM to a host's process"
+
+
+def preemption_summary(cfg: RunConfig, results: list[dict], stop_signal: int | None) -> dict:
+    """Who stopped the run and when: the driver's signal (`stopped_by`: its name), or a
+    notice to the hosts (`stopped_by`: what they saw), the step every host saved at, and
+    the seconds from when a host knew to its checkpoint saved, against the grace."""
+    stops = [r["preemption"] for r in results if r.get("preemption")]
+    if not stops:
+        return {"stopped_by": signal.Signals(stop_signal).name} if stop_signal else {}
+    notices = sorted({n for stop in stops for n in stop["notices"]}) or [UNNAMED_NOTICE]
+    saved_seconds = max(stop["saved_seconds"] for stop in stops)
+    return {
+        "stopped_by": signal.Signals(stop_signal).name if stop_signal else "; ".join(notices),
+        "preemption": {
+            "by": "driver" if stop_signal else "hosts",
+            "step": min(r["reached_step"] for r in results),
+            "notices": notices,
+            "saved_seconds": saved_seconds,
+            "grace_seconds": cfg.fault.preemption_grace_s,
+            "within_grace": saved_seconds <= cfg.fault.preemption_grace_s,
+        },
+    }
 
 
 def _metrics_summary(records: list[dict]) -> dict:

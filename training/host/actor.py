@@ -17,6 +17,7 @@ import ray
 from training.config import RunConfig
 from training.events import Event, FromHost
 from training.host.output import drop_gloo_chatter, sent_to
+from training.host.preemption import NoticeSource, Preemption
 from training.host.serve import serve
 from training.parallel.mesh import MeshShape
 
@@ -31,7 +32,7 @@ class HostActor:
         self.host_index = host_index
         self.num_hosts = num_hosts
         self.platform = platform
-        self._stop = threading.Event()
+        self.preemption = Preemption()
         self._port_reservation: socket.socket | None = None
         self._claim = threading.Lock()
         self._claimed = False
@@ -57,9 +58,9 @@ class HostActor:
         self._imports.join()
 
     def request_stop(self) -> None:
-        """Checkpoint and return after the current step (the driver is being preempted); the
-        training loop polls this between steps."""
-        self._stop.set()
+        """Every host checkpoints and returns at the next step all reach (the driver is
+        being preempted)."""
+        self.preemption.notice("the driver's stop")
 
     def identity(self) -> dict:
         context = ray.get_runtime_context()
@@ -135,7 +136,22 @@ class HostActor:
         # A standby host was started by an earlier run's job, whose driver Ray streams its
         # output to.
         output = sent_to(send) if self._claimed else None
-        return serve(self.host_index, cfg, mesh, send, self._stop.is_set, output)
+        drained = _node_drained(ray.get_runtime_context().get_node_id())
+        return serve(self.host_index, cfg, mesh, send, self.preemption, output, [drained])
+
+
+def _node_drained(node_id: str) -> NoticeSource:
+    """Ray draining this host's node (a preemption, or the autoscaler taking it away), as a
+    notice: the GCS lists the nodes being drained (what Ray Serve's controller asks)."""
+
+    def seen() -> str | None:
+        from ray._private.state import state
+
+        if node_id in state.get_draining_nodes():
+            return f"Ray drains node {node_id}"
+        return None
+
+    return seen
 
 
 def _tpu_worker_id(context) -> int | None:

@@ -9,11 +9,11 @@ import logging
 import os
 import socket
 import sys
-import threading
 
 from training.config import ConfigError, InProcessClusterConfig, RunConfig
 from training.events import Send
 from training.host.environment import host_environment
+from training.host.preemption import Preemption
 from training.host.serve import serve
 from training.parallel.mesh import MeshShape
 
@@ -21,7 +21,7 @@ from training.parallel.mesh import MeshShape
 class InProcessHost:
     def __init__(self, cluster: InProcessClusterConfig):
         self.cluster = cluster
-        self._stop = threading.Event()
+        self.preemption = Preemption()
         _take_devices(cluster)
         # Hydra sets the driver's logging to INFO; a Ray actor's host logs at WARNING.
         logging.getLogger("jax").setLevel(logging.WARNING)
@@ -61,11 +61,11 @@ class InProcessHost:
             )
 
     def train(self, cfg: RunConfig, mesh: MeshShape, send: Send) -> dict:
-        return serve(0, cfg, mesh, send, self._stop.is_set)
+        return serve(0, cfg, mesh, send, self.preemption)
 
     def request_stop(self) -> None:
-        """Checkpoint and return after the current step (the training loop polls this)."""
-        self._stop.set()
+        """Checkpoint and return after the current step (the training loop asks each step)."""
+        self.preemption.notice("the driver's stop")
 
 
 def _take_devices(cluster: InProcessClusterConfig) -> None:

@@ -4,12 +4,20 @@ process): the trainer, with its phase beating and its warnings sent as events.""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from training.config import RunConfig
 from training.events import Send
 from training.host.phases import Beats, Phase
+from training.host.preemption import (
+    NOTICE_POLL_S,
+    NoticeSource,
+    NoticeWatch,
+    Preemption,
+    gce_notices,
+    metadata_server,
+)
 from training.host.warnings import forward_warnings
 from training.parallel.mesh import MeshShape
 
@@ -19,16 +27,23 @@ def serve(
     cfg: RunConfig,
     mesh: MeshShape,
     send: Send,
-    stop_requested: Callable[[], bool],
+    preemption: Preemption,
     output: AbstractContextManager | None = None,
+    node_notices: Sequence[NoticeSource] = (),
 ) -> dict:
     """Train (`training.host.trainer.train`) as host `host` in the working directory, the
     user's modules found there first; the beats go on while the host builds, compiles or
-    saves, however long. `output`: where what the host prints goes meanwhile."""
+    saves, however long. `output`: where what the host prints goes meanwhile. Meanwhile
+    the machine's notices are watched: `node_notices`, and GCE's metadata server where
+    there is one (`training.host.preemption`)."""
     from training.host.trainer import train
     from training.models.locate import put_first_on_path
 
     put_first_on_path([os.getcwd()])
     phase = Phase()
-    with forward_warnings(send), Beats(phase, send), output or nullcontext():
-        return {"host": host, **train(cfg, mesh, send, stop_requested, phase)}
+    notices = list(node_notices)
+    if (server := metadata_server()) is not None:
+        notices.append(gce_notices(server))
+    watch = NoticeWatch(preemption, notices, NOTICE_POLL_S)
+    with forward_warnings(send), Beats(phase, send), watch, output or nullcontext():
+        return {"host": host, **train(cfg, mesh, send, preemption, phase)}

@@ -6,7 +6,6 @@ Nothing here knows about Ray: progress leaves as events (`training.events`) thro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -40,6 +39,7 @@ from training.host.compile_cache import cache_outcome, use_cache
 from training.host.feed import HostFeed, distinct_examples
 from training.host.loop import CompiledStep
 from training.host.phases import Phase
+from training.host.preemption import Preemption
 from training.host.profile import StepProfile
 from training.parallel.mesh import (
     MeshShape,
@@ -55,20 +55,17 @@ class NonFiniteLoss(FloatingPointError):
     """The loss became NaN or infinite; the run stops rather than train on garbage."""
 
 
-def _never() -> bool:
-    return False
-
-
 def train(
     cfg: RunConfig,
     mesh: MeshShape,
     send: Send,
-    stop_requested: Callable[[], bool] = _never,
+    preemption: Preemption | None = None,
     phase: Phase | None = None,
 ) -> dict:
-    """Train from the newest checkpoint (or from scratch) to trainer.steps, or until the
-    driver asks every host to checkpoint and stop. `phase` is kept up to date with what the
-    host is doing and the last step it finished (see `training.host.phases`)."""
+    """Train from the newest checkpoint (or from scratch) to trainer.steps, or until a
+    notice (`preemption`: the driver's stop, a host's SIGTERM, its machine going away) has
+    every host checkpoint and stop. `phase` is kept up to date with what the host is doing
+    and the last step it finished (see `training.host.phases`)."""
     import jax
 
     phase = phase or Phase()
@@ -104,10 +101,8 @@ def train(
         cfg.trainer.steps,
         cfg.checkpoint.interval,
         checkpoints,
-        stop_requested,
+        preemption or Preemption(),
         phase,
-        # Past the driver's own bound: the driver, not a timed-out barrier, names a stuck host.
-        2 * cfg.fault.step_timeout_s,
         EarlyStopping(cfg.trainer.early_stopping) if cfg.trainer.early_stopping.enabled else None,
     )
     profile = StepProfile(cfg.trainer.profile_steps, cfg.trainer.profile_dir, process)
@@ -135,6 +130,7 @@ def train(
         "best_checkpoint": checkpoints.best if checkpoints else None,
         "resumed_from_step": start,
         "reached_step": reached,
+        "preemption": guard.preempted,
         **count_parameters(model),
         "variables": describe_variables(model.variables),
         "optimizer_variables": describe_variables(model.optimizer.variables),
@@ -147,19 +143,17 @@ def train(
 @dataclass
 class StepGuard:
     """When hosts check and save: a non-finite loss stops the run before any checkpoint
-    after it, checkpoints are saved on schedule, and a stop asked of any host stops all of
-    them at the same step.
-
-    Hosts agree on a stop every AGREE_EVERY steps and at logged steps, through the
-    `jax.distributed` key-value store (no device collective, no wait for the devices)."""
+    after it, checkpoints are saved on schedule, and a notice to any host stops all of them
+    at the same step (`training.host.preemption`), checkpointed."""
 
     steps: int
     interval: int
     checkpoints: HostCheckpoints | None
-    stop_requested: Callable[[], bool]
+    preemption: Preemption
     phase: Phase = field(default_factory=Phase)
-    timeout_s: float = 300.0
     early_stopping: EarlyStopping | None = None
+    # What this host saw of a preemption, once its checkpoint is saved (None: none).
+    preempted: dict | None = None
 
     @property
     def evaluates_saves(self) -> bool:
@@ -172,10 +166,13 @@ class StepGuard:
         )
 
     def stop_agreed(self, step: int) -> bool:
-        """Whether any host was asked to stop; every host calls this at the same steps."""
-        if self.checkpoints is None:  # without checkpoints a stop is a kill, not a step
-            return False
-        return _any_host(self.stop_requested(), f"step{step}", self.timeout_s)
+        """Whether every host stops after `step`, checkpointed; asked at every step."""
+        agreed = self.preemption.reached(step)
+        # Without checkpoints a stop is a kill, not a step.
+        return agreed and self.checkpoints is not None
+
+    def saved_for_preemption(self) -> None:
+        self.preempted = self.preemption.summary()
 
     def non_finite(self, step: int, loss: float) -> NonFiniteLoss:
         kept = "no checkpoint was configured (checkpoint.dir)"
@@ -189,26 +186,7 @@ class StepGuard:
         return NonFiniteLoss(f"the loss is {loss} at step {step}; stopped training; {kept}")
 
 
-AGREE_EVERY = 10  # steps between the hosts' checks for a stop, at most
-STOP_KEY = "training/stop"
-
-
-def _any_host(flag: bool, point: str, timeout_s: float) -> bool:
-    """Whether `flag` is set on any host at this agreement point: hosts must agree on a stop,
-    or those going on would wait forever in the next step's collectives for those that left.
-
-    A host asked to stop writes the stop key before the point's barrier; after the barrier
-    every host reads the same answer."""
-    import jax
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if jax.process_count() == 1 or client is None:
-        return flag
-    if flag:
-        client.key_value_set(f"{STOP_KEY}/{jax.process_index()}", point, allow_overwrite=True)
-    client.wait_at_barrier(f"training/agree/{point}", int(timeout_s * 1000))
-    return bool(client.key_value_dir_get(f"{STOP_KEY}/"))
+BOUND_EVERY = 10  # steps between waits for a step in flight, at most
 
 
 def _train_loop(
@@ -282,7 +260,7 @@ def _steps(
             send(Compiled(step=done, **compiled))
         last = done == trainer.steps
         logged = done % trainer.log_interval == 0 or last
-        stop = (logged or done % AGREE_EVERY == 0) and guard.stop_agreed(done)
+        stop = preempted = guard.stop_agreed(done)
         last = last or stop
         save = guard.saves(done, stop)
         evaluate = trainer.eval_batches != 0 and (
@@ -299,7 +277,7 @@ def _steps(
             phase.finished(done)
         else:
             bad = None
-            if done % AGREE_EVERY == 0 and (seen := runner.bound_in_flight(done)) is not None:
+            if done % BOUND_EVERY == 0 and (seen := runner.bound_in_flight(done)) is not None:
                 phase.finished(seen)
         if bad is not None:
             raise guard.non_finite(*bad)
@@ -332,6 +310,8 @@ def _steps(
             runner.to_keras()
             with phase.during(SAVING):
                 guard.checkpoints.save(done, held_out, figures if logged else None)
+            if preempted:
+                guard.saved_for_preemption()
         if logged:
             # Evaluation and saving stay out of the next interval's step times.
             interval_start = time.perf_counter()
