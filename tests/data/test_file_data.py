@@ -305,7 +305,8 @@ def test_a_truncated_npz_is_refused(tmp_path):
 
 def test_missing_keys_list_the_keys_found(tmp_path):
     path = npz(tmp_path, features=np.zeros((4, 2)), labels=np.zeros(4))
-    with pytest.raises(ConfigError, match=r"needs arrays 'x' .* and 'y'; found: features, labels"):
+    found = r"needs arrays 'x' .* and 'y' .*; found: features, labels"
+    with pytest.raises(ConfigError, match=found):
         array_data(path)
     no_y = npy_dir(tmp_path, x=np.zeros((4, 2)))
     with pytest.raises(ConfigError, match="found: x$"):
@@ -357,7 +358,7 @@ def test_held_out_examples_must_be_like_training_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"y: training int64 \[\], held-out int32 \[\]"):
         array_data(path, held_out_path=other_labels)
     named = npz(tmp_path, name="named.npz", x_a=arrays["x"], y=arrays["y"])
-    with pytest.raises(ConfigError, match="has inputs x_a but data.path=.* has x"):
+    with pytest.raises(ConfigError, match="has arrays x_a, y but data.path=.* has x, y"):
         array_data(path, held_out_path=named)
 
 
