@@ -3,7 +3,7 @@ and "The training recipe").
 
 Run from this directory:
 
-    python make_data.py   # writes train.npz (a regression) and images.npz (10 classes)
+    python make_data.py   # writes train.npz (a regression), images.npz (10 classes), tickets.npz
     python -m training.run model=keras model.build=my_models:get_model model.loss=mse \
         model.layout=my_models:get_layout_map \
         data=arrays data.path=train.npz strategy=hybrid mesh.data=2 mesh.model=4
@@ -11,6 +11,9 @@ Run from this directory:
         model.loss=my_models:classifier_loss 'model.metrics=[accuracy]' \
         data=arrays data.path=images.npz optimizer=adamw optimizer.schedule=cosine \
         optimizer.warmup_steps=10 optimizer.global_clipnorm=1.0
+    python -m training.run model=keras model.build=my_models:get_ticket_model \
+        model.loss=my_models:ticket_losses 'model.loss_weights={priority: 1.0, department: 0.2}' \
+        'model.metrics={department: [accuracy]}' data=arrays data.path=tickets.npz
 
 Nothing here knows about the system: plain Keras, written as the Keras guides write it.
 """

@@ -2,6 +2,7 @@
 and one clear error for each way the inputs can be wrong, before anything starts."""
 
 import itertools
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -470,3 +471,18 @@ def test_outputs_that_differ_from_the_label_arrays_or_losses_are_one_error_namin
         overrides.append(f"model.loss={user_module(workdir, WRONG_LOSSES)}:losses")
     with pytest.raises(ConfigError, match=message):
         preflight(compose_run_config(overrides))
+
+
+def test_the_plan_derives_and_compiles_a_layout_for_a_model_of_several_outputs(workdir, capsys):
+    """`python -m training.plan` with strategy.layout=auto: rules from the ticket model's
+    structure (its embeddings split by vocabulary), the hosts' step compiled with its labels
+    by output name."""
+    from training import plan
+
+    ticket_data(workdir)
+    module = example_module(workdir)
+    hybrid = ["strategy=hybrid", "mesh.data=2", "mesh.model=4", "strategy.layout=auto"]
+    assert plan.main([*ticket_model(module), *hybrid]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"title_embedding/embeddings: +\[model, null\]", out), out
+    assert re.search(r"hybrid compiled on 8 cpu device", out), out
