@@ -11,7 +11,7 @@ A model is three things, named in the `model` config group:
   (`training.models.without_weights`). `model.init_from` then loads weights into it.
 - `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
   `module:function` returning a loss, or, for several outputs, a dict of losses by output
-  name (or a list in the outputs' order), weighted by `model.loss_weights`.
+  name (or a list in Keras' order of the outputs), weighted by `model.loss_weights`.
 - The layout: `model.layout_rules` (`LayoutRules`), regexes full-matched against variable paths
   (or `<layer path>/output` for a layer's activation) mapped to one of `data`, `model` or null
   per dimension; and/or `model.layout=module:function` (a `LayoutFunction`), called with the

@@ -486,3 +486,34 @@ def test_the_plan_derives_and_compiles_a_layout_for_a_model_of_several_outputs(w
     out = capsys.readouterr().out
     assert re.search(r"title_embedding/embeddings: +\[model, null\]", out), out
     assert re.search(r"hybrid compiled on 8 cpu device", out), out
+
+
+LIST_LOSSES = """
+import keras
+
+def losses():  # in Keras' order of a dict's outputs: by name, department before priority
+    return [
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.losses.BinaryCrossentropy(from_logits=True),
+    ]
+
+def reversed_losses():
+    return losses()[::-1]
+"""
+
+
+def test_a_list_of_losses_and_weights_goes_in_keras_order_of_the_outputs(workdir):
+    """Keras gives a list of losses to a dict of outputs sorted by name; the check reads it
+    so, and a list in another order is the error its shapes give."""
+    ticket_data(workdir, weights=False)
+    module, losses = example_module(workdir), user_module(workdir, LIST_LOSSES)
+    by_name = ticket_model(module, f"model.loss={losses}:losses")
+    in_order = [o for o in by_name if "loss_weights" not in o] + ["model.loss_weights=[0.2, 1]"]
+    preflight(compose_run_config(in_order))
+    with pytest.raises(
+        ConfigError,
+        match=r"labels y_department have examples of shape \[\] but .* needs labels of shape \[4\]",
+    ):
+        preflight(compose_run_config([*in_order, f"model.loss={losses}:reversed_losses"]))
+    with pytest.raises(ConfigError, match=r"loss_weights=\[1.0\] does not give one weight per"):
+        preflight(compose_run_config([*in_order, "model.loss_weights=[1]"]))

@@ -27,10 +27,11 @@ class ModelConfig:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # A Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
     # `module:function` returning a loss; for several outputs, one loss for each, or a dict
-    # of losses by output name (or a list in the outputs' order).
+    # of losses by output name (or a list in Keras' order of the outputs:
+    # a dict's sorted by name).
     loss: str = MISSING
     # Several outputs: the weight of each output's loss in the one minimised, by output name
-    # (or a list in the outputs' order), as Keras' compile takes it. None: 1 each.
+    # (or a list in Keras' order of the outputs), as Keras' compile takes it. None: 1 each.
     loss_weights: Any = None
     # Regex (full-matched against variable paths, or `<layer>/output` for an activation) ->
     # one of data, model, null per dimension. None: none (see StrategyConfig.layout_rules).
@@ -114,7 +115,8 @@ def checked_metrics(key: str, metrics: Any) -> list[str] | dict[str, list[str]]:
 
 
 def checked_loss_weights(weights: Any) -> list[float] | dict[str, float] | None:
-    """None, or a number per output: a dict by output name or a list in the outputs' order."""
+    """None, or a number per output: a dict by output name, or a list in Keras' order of
+    the outputs."""
     if weights is None:
         return None
     numbers = list(weights.values()) if isinstance(weights, Mapping) else weights
@@ -122,7 +124,7 @@ def checked_loss_weights(weights: Any) -> list[float] | dict[str, float] | None:
         isinstance(numbers, list | tuple)
         and all(isinstance(w, int | float) and not isinstance(w, bool) for w in numbers),
         f"model.loss_weights={weights!r} must be a number per output, by output name "
-        "({priority: 1.0, department: 0.2}) or as a list in the outputs' order",
+        "({priority: 1.0, department: 0.2}) or as a list in Keras' order of the outputs",
     )
     if isinstance(weights, Mapping):
         return {str(name): float(w) for name, w in weights.items()}

@@ -54,7 +54,8 @@ def check_labels_fit(cfg: ModelConfig, model, data_spec: DataSpec) -> None:
     """The data's labels against the model's outputs under the loss, computed abstractly:
     the labels' arrays against the outputs by name, then each output's labels against it
     under its own loss (a model of several outputs: `model.loss` a dict by output name, a
-    list in the outputs' order, or one loss for every output, as Keras' `compile` takes it)."""
+    list in Keras' order of the outputs, or one loss for every output, as Keras' `compile`
+    takes it)."""
     loss = build_loss(cfg)
     output = model(symbolic_inputs(data_spec))
     labels = data_spec.labels
@@ -68,15 +69,17 @@ def check_labels_fit(cfg: ModelConfig, model, data_spec: DataSpec) -> None:
         raise ConfigError(_outputs_and_arrays(names, [f"y_{name}" for name in sorted(labels)]))
     outputs = output if isinstance(output, dict) else dict(zip(names, output, strict=True))
     losses = _loss_per_output(cfg, loss, names)
+    _check_loss_weights(cfg, names)
     for name in names:
         _check_output_labels(cfg, f"y_{name}", losses[name], labels[name], outputs[name], data_spec)
 
 
 def _output_names(model, output) -> list[str] | None:
-    """The names the labels of a model's outputs go by (Keras' own): a dict's keys, a
-    functional model's output names for a list; None for one output, or an unnamed list."""
+    """The names the labels of a model's outputs go by, in the order Keras gives a list of
+    losses: a dict's keys sorted (as Keras flattens it), a functional model's output names
+    for a list; None for one output, or an unnamed list."""
     if isinstance(output, dict):
-        return list(output)
+        return sorted(output)
     if isinstance(output, list | tuple):
         return getattr(model, "output_names", None)
     return None
@@ -105,6 +108,16 @@ def _loss_per_output(cfg: ModelConfig, loss, names: list[str]) -> dict:
             )
         return dict(zip(names, loss, strict=True))
     return dict.fromkeys(names, loss)
+
+
+def _check_loss_weights(cfg: ModelConfig, names: list[str]) -> None:
+    weights = cfg.loss_weights
+    given = sorted(weights) if isinstance(weights, dict) else None
+    if weights is not None and (given != names if given else len(weights) != len(names)):
+        raise ConfigError(
+            f"model.loss_weights={weights!r} does not give one weight per output of the "
+            f"model's outputs {names}"
+        )
 
 
 def _check_output_labels(
