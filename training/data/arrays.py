@@ -114,7 +114,8 @@ class ArrayData:
         """Output name (None: every output) -> key of its sample weights: `sample_weight`, or
         `sample_weight_<output name>` for each output of several."""
         weights = named_keys(arrays, SAMPLE_WEIGHT)
-        if None in weights or not weights or set(weights) == set(self.labels):
+        both = SAMPLE_WEIGHT in arrays and None not in weights
+        if not both and (None in weights or not weights or set(weights) == set(self.labels)):
             return weights
         raise ConfigError(
             f"data.path={self.cfg.path!r} has sample weights "
