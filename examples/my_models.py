@@ -3,7 +3,7 @@ and "The training recipe").
 
 Run from this directory:
 
-    python make_data.py   # writes train.npz (a regression) and images.npz (10 classes)
+    python make_data.py   # writes train.npz (a regression), images.npz (10 classes), tickets.npz
     python -m training.run model=keras model.build=my_models:get_model model.loss=mse \
         model.layout=my_models:get_layout_map \
         data=arrays data.path=train.npz strategy=hybrid mesh.data=2 mesh.model=4
@@ -11,6 +11,9 @@ Run from this directory:
         model.loss=my_models:classifier_loss 'model.metrics=[accuracy]' \
         data=arrays data.path=images.npz optimizer=adamw optimizer.schedule=cosine \
         optimizer.warmup_steps=10 optimizer.global_clipnorm=1.0
+    python -m training.run model=keras model.build=my_models:get_ticket_model \
+        model.loss=my_models:ticket_losses 'model.loss_weights={priority: 1.0, department: 0.2}' \
+        'model.metrics={department: [accuracy]}' data=arrays data.path=tickets.npz
 
 Nothing here knows about the system: plain Keras, written as the Keras guides write it.
 """
@@ -77,3 +80,36 @@ def get_classifier(
 def classifier_loss() -> keras.losses.Loss:
     """The classifier's head gives logits: `model.loss=my_models:classifier_loss`."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def get_ticket_model(
+    num_tags: int = 12, num_words: int = 10000, num_departments: int = 4, width: int = 64
+) -> keras.Model:
+    """The ticket model of keras.io's functional API guide: three named inputs (`title` and
+    `body`, token ids; `tags`, multi-hot), two named outputs (`priority`, one logit;
+    `department`, a logit per department), fed from arrays `x_title`, `x_body`, `x_tags`,
+    `y_priority` and `y_department` (`make_data.py` writes `tickets.npz`)."""
+    title = keras.Input(shape=(None,), dtype="int32", name="title")
+    body = keras.Input(shape=(None,), dtype="int32", name="body")
+    tags = keras.Input(shape=(num_tags,), name="tags")
+    title_features = keras.layers.Embedding(num_words, width, name="title_embedding")(title)
+    body_features = keras.layers.Embedding(num_words, width, name="body_embedding")(body)
+    title_features = keras.layers.LSTM(2 * width, name="title_lstm")(title_features)
+    body_features = keras.layers.LSTM(width // 2, name="body_lstm")(body_features)
+    x = keras.layers.concatenate([title_features, body_features, tags])
+    priority = keras.layers.Dense(1, name="priority")(x)
+    department = keras.layers.Dense(num_departments, name="department")(x)
+    return keras.Model(
+        inputs={"title": title, "body": body, "tags": tags},
+        outputs={"priority": priority, "department": department},
+        name="tickets",
+    )
+
+
+def ticket_losses() -> dict[str, keras.losses.Loss]:
+    """A loss per output, by output name (`model.loss=my_models:ticket_losses`); the guide's
+    losses, on logits."""
+    return {
+        "priority": keras.losses.BinaryCrossentropy(from_logits=True),
+        "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    }

@@ -6,11 +6,13 @@ last one logged), one line per list of overrides; with `--record DIR`, also writ
 `DIR/<n>.npz` for the n-th list: every variable of the trained model by path, and per step
 `loss`, `learning_rate` (of the step's update) and, where labels are class ids, `accuracy`
 (of the step's rows, in training mode before the update, as a compiled metric counts it) and
-`weighted_accuracy` (each row counted by its sample weight, where the data has them).
+`weighted_accuracy` (each row counted by its sample weight, where the data has them); for a
+model of several outputs, `<output>_loss`, each output's own loss before `model.loss_weights`.
 
 Shares only the model's build function and the data's batches with the system under test:
 the optimizer, its schedule and the loss are built here with Keras' own classes from the
-config's values, and the step is a hand-written JAX loop of `stateless_call`, `jax.grad` and
+config's values (a user's function may give a loss per output: weighted and summed here), and
+the step is a hand-written JAX loop of `stateless_call`, `jax.grad` and
 `optimizer.apply` (keras.io's "training loop from scratch"). `trainer.accumulate` micro-
 batches are accumulated by hand: each one's gradient (its own batch statistics, dropout and
 state updates carried from the one before), averaged, then one update; the learning rate is
@@ -31,9 +33,8 @@ os.environ["KERAS_BACKEND"] = "jax"
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
-from training.config import register_configs, to_run_config  # noqa: E402
+from training.config import compose_run_config  # noqa: E402
 from training.data import build_dataset  # noqa: E402
 
 # Keras' documented dtype policies, spelled out here rather than taken from the trainer.
@@ -64,6 +65,23 @@ def loss_of(name: str):
         return keras.ops.mean(values if sample_weight is None else values * sample_weight)
 
     return averaged
+
+
+def output_losses(losses: dict, weights: dict | None):
+    """One loss for a model of several outputs, from a dict of losses by output name and
+    `model.loss_weights` (a dict by output name, or None): (the weighted sum, each output's
+    own loss by name). Each output's sample weights are its own where the data gives a dict
+    of them, else the same for every output."""
+
+    def loss(y, y_pred, sample_weight=None):
+        each = {}
+        for name in y_pred:
+            weight = sample_weight[name] if isinstance(sample_weight, dict) else sample_weight
+            each[name] = losses[name](y[name], y_pred[name], *([] if weight is None else [weight]))
+        total = sum(value * (weights or {}).get(name, 1.0) for name, value in each.items())
+        return total, each
+
+    return loss
 
 
 def schedule_of(optimizer, steps: int):
@@ -101,10 +119,7 @@ def optimizer_of(cfg):
 
 def trained(overrides: list[str]):
     """The config, the model trained as it says, and its figures per step."""
-    register_configs()
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = to_run_config(compose("config", overrides=overrides))
+    cfg = compose_run_config(overrides)  # as `python -m training.run` composes it
     assert len(jax.devices()) == 1
     keras.utils.set_random_seed(cfg.trainer.seed)
     keras.config.set_dtype_policy(POLICIES[cfg.trainer.precision])
@@ -113,14 +128,17 @@ def trained(overrides: list[str]):
     x, *_ = dataset.batch("train", 0, 2, slice(0, 2))
     model(x)  # built
     loss_fn, optimizer = loss_of(cfg.model.loss), optimizer_of(cfg)
+    several = not callable(loss_fn)
+    if several:
+        loss_fn = output_losses(loss_fn, cfg.model.loss_weights)
     optimizer.build(model.trainable_variables)
 
     def loss_and_updates(trainable, non_trainable, x, y, *weight):
         y_pred, non_trainable, losses = model.stateless_call(
             trainable, non_trainable, x, training=True, return_losses=True
         )
-        loss = loss_fn(y, y_pred, *weight) + sum(losses)
-        return loss, (non_trainable, y_pred)
+        loss, each = loss_fn(y, y_pred, *weight) if several else (loss_fn(y, y_pred, *weight), {})
+        return loss + sum(losses), (non_trainable, y_pred, each)
 
     gradient = jax.jit(jax.value_and_grad(loss_and_updates, has_aux=True))
     k, micro = cfg.trainer.accumulate, cfg.trainer.micro_batch
@@ -129,15 +147,20 @@ def trained(overrides: list[str]):
         trainable = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
         summed, losses, right, weighted_right, weights = None, [], 0, 0.0, 0.0
+        each_output = {}
         for i in range(k):
             x, y, *weight = dataset.batch("train", step * k + i, micro, slice(0, micro))
-            (loss, (non_trainable, y_pred)), grads = gradient(
+            (loss, (non_trainable, y_pred, each)), grads = gradient(
                 trainable, non_trainable, x, y, *weight
             )
             summed = (
                 grads if summed is None else [a + b for a, b in zip(summed, grads, strict=True)]
             )
             losses.append(float(loss))
+            for name, value in each.items():
+                each_output.setdefault(f"{name}_loss", []).append(float(value))
+            if several:
+                continue
             correct = np.argmax(y_pred, -1) == y if y.dtype.kind in "iu" else np.zeros_like(y)
             right += int(np.sum(correct))
             if weight:
@@ -148,6 +171,8 @@ def trained(overrides: list[str]):
         per_step["learning_rate"].append(float(keras.ops.convert_to_numpy(optimizer.learning_rate)))
         optimizer.apply([g / k for g in summed], model.trainable_variables)
         per_step["loss"].append(float(np.mean(losses)))
+        for name, values in each_output.items():
+            per_step.setdefault(name, []).append(float(np.mean(values)))
         per_step["accuracy"].append(right / (k * micro))
         per_step["weighted_accuracy"].append(weighted_right / weights if weights else 0.0)
     return cfg, model, per_step

@@ -4,12 +4,14 @@ A model is three things, named in the `model` config group:
 
 - `model.build`: `module:function` (a `BuildModel`), called with `model.kwargs` on every host
   after the distribution is set. It returns an uncompiled `keras.Model`: functional, Sequential
-  or subclassed, with one input or several named ones (fed from data arrays `x_<input name>`).
+  or subclassed, with one input or several named ones (fed from data arrays `x_<input name>`),
+  one output or several named ones (a dict of outputs; labels from arrays `y_<output name>`).
   It may load weights (`from_preset`, `load_weights`) and create variables after building
   (`enable_lora`): the driver builds it abstractly, reading no weight
   (`training.models.without_weights`). `model.init_from` then loads weights into it.
 - `model.loss`: a Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
-  `module:function` returning a loss.
+  `module:function` returning a loss, or, for several outputs, a dict of losses by output
+  name (or a list in Keras' order of the outputs), weighted by `model.loss_weights`.
 - The layout: `model.layout_rules` (`LayoutRules`), regexes full-matched against variable paths
   (or `<layer path>/output` for a layer's activation) mapped to one of `data`, `model` or null
   per dimension; and/or `model.layout=module:function` (a `LayoutFunction`), called with the
@@ -21,7 +23,8 @@ models (`training/models/mlp.py`, `transformer.py`, `hub.py`) are defined the sa
 
 A dataset (a `Dataset`) gives a `DataSpec` (what a model must accept, what hosts must agree on)
 and `batch(split, index, batch_size, rows) -> (x, y)` or `(x, y, sample_weight)`, where `x`
-is one array or a dict of arrays by model input name, and `rows(...)` with the same arguments:
+is one array or a dict of arrays by model input name, `y` and `sample_weight` one array or a
+dict by model output name, and `rows(...)` with the same arguments:
 the ids of the examples read.
 """
 
@@ -82,7 +85,8 @@ class DataSpec:
 
     # One array, or a dict by model input name (a model with several named inputs).
     inputs: ArraySpec | dict[str, ArraySpec]
-    labels: ArraySpec
+    # One array, or a dict by model output name (a model with several named outputs).
+    labels: ArraySpec | dict[str, ArraySpec]
     examples: int  # in the training split (windows, for token streams)
     fingerprint: str  # hosts that read different data would train on garbage
     # Classes, or the vocabulary of a token stream, where labels are class ids; else None.
@@ -94,26 +98,26 @@ class DataSpec:
     positions_per_example: int = 1
     # Examples (rows, windows) of the held-out split; None where a dataset cannot tell.
     held_out_examples: int | None = None
-    # Where batches give a third array, Keras' sample_weight: its per-example spec.
-    sample_weight: ArraySpec | None = None
+    # Where batches give a third array, Keras' sample_weight: its per-example spec (or a
+    # dict by model output name: each output's own weights).
+    sample_weight: ArraySpec | dict[str, ArraySpec] | None = None
 
 
 def data_spec_from_dict(values: dict) -> DataSpec:
     """The DataSpec `dataclasses.asdict` gave `values` (a checkpoint's record holds one)."""
 
-    def array(spec: dict) -> ArraySpec:
-        return ArraySpec(tuple(spec["shape"]), spec["dtype"])
+    def arrays(spec: dict) -> ArraySpec | dict[str, ArraySpec]:
+        if "shape" in spec:
+            return ArraySpec(tuple(spec["shape"]), spec["dtype"])
+        return {name: arrays(one) for name, one in spec.items()}
 
-    inputs = values["inputs"]
     weights = values.get("sample_weight")
     return DataSpec(
         **{
             **values,
-            "inputs": array(inputs)
-            if "shape" in inputs
-            else {name: array(spec) for name, spec in inputs.items()},
-            "labels": array(values["labels"]),
-            "sample_weight": array(weights) if weights else None,
+            "inputs": arrays(values["inputs"]),
+            "labels": arrays(values["labels"]),
+            "sample_weight": arrays(weights) if weights else None,
         }
     )
 

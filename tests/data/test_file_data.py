@@ -305,7 +305,8 @@ def test_a_truncated_npz_is_refused(tmp_path):
 
 def test_missing_keys_list_the_keys_found(tmp_path):
     path = npz(tmp_path, features=np.zeros((4, 2)), labels=np.zeros(4))
-    with pytest.raises(ConfigError, match=r"needs arrays 'x' .* and 'y'; found: features, labels"):
+    found = r"needs arrays 'x' .* and 'y' .*; found: features, labels"
+    with pytest.raises(ConfigError, match=found):
         array_data(path)
     no_y = npy_dir(tmp_path, x=np.zeros((4, 2)))
     with pytest.raises(ConfigError, match="found: x$"):
@@ -357,7 +358,7 @@ def test_held_out_examples_must_be_like_training_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"y: training int64 \[\], held-out int32 \[\]"):
         array_data(path, held_out_path=other_labels)
     named = npz(tmp_path, name="named.npz", x_a=arrays["x"], y=arrays["y"])
-    with pytest.raises(ConfigError, match="has inputs x_a but data.path=.* has x"):
+    with pytest.raises(ConfigError, match="has arrays x_a, y but data.path=.* has x, y"):
         array_data(path, held_out_path=named)
 
 
@@ -512,3 +513,40 @@ def test_build_dataset_finds_both(tmp_path):
     assert isinstance(data, ArrayData)
     tokens = build_dataset(TokenDataConfig(path=token_file(tmp_path), seq_len=SEQ))
     assert isinstance(tokens, TokenData)
+
+
+def test_labels_and_sample_weights_of_several_outputs_are_read_by_output_name(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x": rng.standard_normal((20, 3)).astype(np.float32),
+        "y_score": rng.standard_normal((20, 1)).astype(np.float32),
+        "y_kind": rng.integers(0, 4, 20),
+        "sample_weight_score": rng.uniform(0, 2, 20).astype(np.float32),
+        "sample_weight_kind": rng.uniform(0, 2, 20).astype(np.float32),
+    }
+    data = array_data(npz(tmp_path, **arrays))
+    assert set(data.spec.labels) == set(data.spec.sample_weight) == {"score", "kind"}
+    assert data.spec.num_classes is None  # no one label array to count classes in
+    x, y, weights = data.batch("train", 1, 4, slice(0, 4))
+    ids = data.rows("train", 1, 4, slice(0, 4))
+    for output in ("score", "kind"):
+        np.testing.assert_array_equal(y[output], arrays[f"y_{output}"][ids])
+        np.testing.assert_array_equal(weights[output], arrays[f"sample_weight_{output}"][ids])
+    np.testing.assert_array_equal(x, arrays["x"][ids])
+
+    one_weight = {k: v for k, v in arrays.items() if not k.startswith("sample_weight_")}
+    one_weight["sample_weight"] = arrays["sample_weight_kind"]
+    data = array_data(npz(tmp_path, name="one.npz", **one_weight))
+    assert data.spec.sample_weight.shape == ()  # one array for every output, as Keras takes it
+
+    wrong = [
+        ({**arrays, "y": arrays["y_kind"]}, "both 'y' and per-output arrays"),
+        ({**arrays, "sample_weight": arrays["sample_weight_kind"]}, "sample weights"),
+        ({**one_weight, "sample_weight_other": arrays["sample_weight_kind"]}, "sample weights"),
+        ({**arrays, "sample_weight_kind": np.ones((20, 2))}, "sample_weight_kind has examples"),
+    ]
+    for n, (given, message) in enumerate(wrong):
+        with pytest.raises(ConfigError, match=message):
+            array_data(npz(tmp_path, name=f"wrong{n}.npz", **given))
+    with pytest.raises(ConfigError, match="data.num_classes=4 applies to one array of labels y"):
+        array_data(npz(tmp_path, **arrays), num_classes=4)

@@ -2,6 +2,7 @@
 and one clear error for each way the inputs can be wrong, before anything starts."""
 
 import itertools
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_config
-from training.config import ConfigError
+from training.config import ConfigError, compose_run_config
 from training.driver.preflight import preflight
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -306,3 +307,213 @@ def test_a_users_rule_wins_for_every_variable_it_matches_whatever_the_functions_
     assert specs["d1/kernel"] in ((), (None, None))  # the user's rule: whole
     assert specs["d1/bias"] == ("model",)  # only the function's rule matches it
     assert specs["d2/kernel"] == ("model", None)  # strategy.layout_rules, over both
+
+
+# ---- several outputs: the ticket model of keras.io's functional API guide ----------------
+
+
+def ticket_data(directory: Path, rows: int = 512, weights: bool = True, **renamed: str) -> None:
+    """`tickets.npz` as `examples/make_data.py` writes it, small, with each output's own
+    sample weights; `renamed` renames arrays (`y_department="y_urgency"`; to "" drops it)."""
+    from examples.make_data import make_tickets
+
+    arrays = make_tickets(rows, num_words=512, title_length=4, body_length=8)
+    rng = np.random.default_rng(1)
+    for output in ("priority", "department") if weights else ():
+        arrays[f"sample_weight_{output}"] = rng.uniform(0, 2, rows).astype(np.float32)
+    for old, new in renamed.items():
+        value = arrays.pop(old)
+        if new:
+            arrays[new] = value
+    np.savez(directory / "tickets.npz", **arrays)
+
+
+def ticket_model(module: str, *extra: str) -> list[str]:
+    """The ticket model, small, on tickets.npz: a loss per output, weighted, and a metric."""
+    return own_model(
+        module,
+        "get_ticket_model",
+        f"model.loss={module}:ticket_losses",  # the later override wins
+        "data.path=tickets.npz",
+        "model.kwargs={num_words: 512, width: 16}",
+        "model.loss_weights={priority: 1.0, department: 0.2}",
+        "model.metrics={department: [accuracy]}",
+        *extra,
+    )
+
+
+def reference_run(workdir: Path, overrides: list[str]) -> tuple[list[float], dict]:
+    """The one-device plain-Keras reference's logged losses and its record (per-step losses
+    of each output, every trained variable by path)."""
+    import json
+    import subprocess
+
+    record = workdir / "reference"
+    record.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "single_device_reference.py")]
+        + ["--record", str(record), json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=workdir,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1]), dict(np.load(record / "0.npz"))
+
+
+def test_the_ticket_model_trains_data_parallel_and_hybrid_as_one_device_does(workdir, capsys):
+    """Two named outputs with a loss each, weighted, each with its own sample weights: data
+    parallel and hybrid 2 × 4 (auto layout) in this process, against plain Keras on one
+    device, per output; the figures Keras names per output in every view; the export loads
+    in plain Keras with the reference's weights."""
+    import json
+
+    import keras
+
+    from tests.conftest import read_scalars
+    from training.report import find_runs, table
+    from training.run import run_training
+
+    ticket_data(workdir)
+    module = example_module(workdir)
+    overrides = ticket_model(module, *RUN)
+    expected, record = reference_run(workdir, overrides)
+    hybrid = ["strategy=hybrid", "mesh.data=2", "mesh.model=4", "strategy.layout=auto"]
+    runs = {
+        "data_parallel": ["trainer.eval_batches=1"],
+        "hybrid": [*hybrid, "trainer.eval_batches=0"],
+    }
+    summaries = {}
+    for name, strategy in runs.items():
+        cfg = compose_run_config(["cluster=inprocess", *overrides, *strategy])
+        summaries[name] = summary = run_training(cfg, workdir / name)
+        assert summary["status"] == "completed"
+        np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
+        for loss in ("priority_loss", "department_loss"):
+            history = summary["metric_history"][loss]
+            np.testing.assert_allclose(history, record[f"step_{loss}"], rtol=1e-4)
+    assert summaries["hybrid"]["variable_shardings"]["title_embedding/embeddings"] == (
+        "P('model', None)"
+    )
+
+    figures = ["department_accuracy", "department_loss", "priority_loss"]
+    held_out = [f"eval_{name}" for name in figures]
+    output, summary = workdir / "data_parallel", summaries["data_parallel"]
+    progress = capsys.readouterr().out
+    assert all(f"  {name} " in progress for name in figures), progress
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(figures) <= set(row) for row in rows) and set(held_out) <= set(rows[-1])
+    assert set(figures + held_out) <= set(read_scalars(output))
+    assert set(figures) <= set(summary["metric_names"]) and set(held_out) <= set(summary)
+    columns = [column.header for column in table(find_runs(output)).columns]
+    assert {f"final {name}" for name in figures} <= set(columns)
+    assert {f"held-out {name}" for name in figures} <= set(columns)
+
+    exported = keras.saving.load_model(summary["exported_model"])
+    assert set(exported.output) == {"priority", "department"}
+    for variable in exported.trainable_variables:
+        np.testing.assert_allclose(
+            variable.numpy(), record[variable.path], rtol=1e-3, atol=1e-5, err_msg=variable.path
+        )
+
+
+WRONG_LOSSES = """
+import keras
+
+def losses():
+    return {"priority": keras.losses.MeanSquaredError(), "urgency": keras.losses.MeanSquaredError()}
+"""
+
+
+@pytest.mark.parametrize(
+    ("renamed", "model", "message"),
+    [
+        (
+            {"y_department": "y_urgency"},
+            "tickets",
+            r"the model has outputs named \['department', 'priority'\] but the data gives "
+            r"labels y_priority, y_urgency; give one array y_<output name> per output",
+        ),
+        (
+            {"y_department": "y", "y_priority": ""},
+            "tickets",
+            r"the model has outputs named \['department', 'priority'\] but the data gives "
+            r"labels y; give one array y_<output name> per output",
+        ),
+        (
+            {},
+            "regression",
+            r"the model has one output but the data gives labels y_department, y_priority; "
+            "give one array y",
+        ),
+        (
+            {},
+            "wrong_losses",
+            r"model.loss='user_models_\d+:losses' gives losses for \['priority', 'urgency'\] "
+            r"but the model's outputs are named \['department', 'priority'\]",
+        ),
+    ],
+)
+def test_outputs_that_differ_from_the_label_arrays_or_losses_are_one_error_naming_both(
+    workdir, renamed, model, message
+):
+    ticket_data(workdir, weights=False, **renamed)
+    module = example_module(workdir)
+    overrides = ticket_model(module)
+    if model == "regression":
+        overrides = own_model(module, "get_model", "data.path=tickets.npz")
+        # The regression model's input, from the ticket data's tags (12 features).
+        overrides.append("model.kwargs={features: 12}")
+        arrays = dict(np.load(workdir / "tickets.npz"))
+        arrays["x"] = arrays.pop("x_tags")
+        np.savez(workdir / "tickets.npz", **{k: v for k, v in arrays.items() if k[:2] != "x_"})
+    if model == "wrong_losses":
+        overrides.append(f"model.loss={user_module(workdir, WRONG_LOSSES)}:losses")
+    with pytest.raises(ConfigError, match=message):
+        preflight(compose_run_config(overrides))
+
+
+def test_the_plan_derives_and_compiles_a_layout_for_a_model_of_several_outputs(workdir, capsys):
+    """`python -m training.plan` with strategy.layout=auto: rules from the ticket model's
+    structure (its embeddings split by vocabulary), the hosts' step compiled with its labels
+    by output name."""
+    from training import plan
+
+    ticket_data(workdir)
+    module = example_module(workdir)
+    hybrid = ["strategy=hybrid", "mesh.data=2", "mesh.model=4", "strategy.layout=auto"]
+    assert plan.main([*ticket_model(module), *hybrid]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"title_embedding/embeddings: +\[model, null\]", out), out
+    assert re.search(r"hybrid compiled on 8 cpu device", out), out
+
+
+LIST_LOSSES = """
+import keras
+
+def losses():  # in Keras' order of a dict's outputs: by name, department before priority
+    return [
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.losses.BinaryCrossentropy(from_logits=True),
+    ]
+
+def reversed_losses():
+    return losses()[::-1]
+"""
+
+
+def test_a_list_of_losses_and_weights_goes_in_keras_order_of_the_outputs(workdir):
+    """Keras gives a list of losses to a dict of outputs sorted by name; the check reads it
+    so, and a list in another order is the error its shapes give."""
+    ticket_data(workdir, weights=False)
+    module, losses = example_module(workdir), user_module(workdir, LIST_LOSSES)
+    by_name = ticket_model(module, f"model.loss={losses}:losses")
+    in_order = [o for o in by_name if "loss_weights" not in o] + ["model.loss_weights=[0.2, 1]"]
+    preflight(compose_run_config(in_order))
+    with pytest.raises(
+        ConfigError,
+        match=r"labels y_department have examples of shape \[\] but .* needs labels of shape \[4\]",
+    ):
+        preflight(compose_run_config([*in_order, f"model.loss={losses}:reversed_losses"]))
+    with pytest.raises(ConfigError, match=r"loss_weights=\[1.0\] does not give one weight per"):
+        preflight(compose_run_config([*in_order, "model.loss_weights=[1]"]))

@@ -33,6 +33,8 @@ def resume_record(cfg: RunConfig, data_fingerprint: str) -> dict[str, object]:
     resume may change it where allowed: orbax casts each array as it reads it), the seed and
     the data."""
     model = {k: v for k, v in asdict(cfg.model).items() if k not in NOT_RECORDED_MODEL_KEYS}
+    if model["loss_weights"] is None:  # as checkpoints written before the key existed say
+        del model["loss_weights"]
     record = {
         **_flatten("model", model),
         **_flatten("optimizer", asdict(cfg.optimizer)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -25,8 +26,13 @@ class ModelConfig:
     build: str = MISSING  # called with `kwargs`; returns an uncompiled keras.Model
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # A Keras loss identifier (`mse`, `sparse_categorical_crossentropy`, ...) or
-    # `module:function` returning a loss.
+    # `module:function` returning a loss; for several outputs, one loss for each, or a dict
+    # of losses by output name (or a list in Keras' order of the outputs:
+    # a dict's sorted by name).
     loss: str = MISSING
+    # Several outputs: the weight of each output's loss in the one minimised, by output name
+    # (or a list in Keras' order of the outputs), as Keras' compile takes it. None: 1 each.
+    loss_weights: Any = None
     # Regex (full-matched against variable paths, or `<layer>/output` for an activation) ->
     # one of data, model, null per dimension. None: none (see StrategyConfig.layout_rules).
     layout_rules: Any = None
@@ -36,9 +42,12 @@ class ModelConfig:
     layout: str = ""
     # Keras metric identifiers (accuracy, mae, ...) or module:function returning a metric,
     # compiled into the model: `metrics` unweighted, `weighted_metrics` weighted by the
-    # data's sample weights (Keras' compile arguments of the same names).
-    metrics: List[str] = field(default_factory=list)
-    weighted_metrics: List[str] = field(default_factory=list)
+    # data's sample weights (Keras' compile arguments of the same names). A list, or for a
+    # model of several outputs a dict of lists by output name ({department: [accuracy]}),
+    # whose figures Keras names <output>_<metric> (department_accuracy). None: none (a
+    # default a dict or a list given on the command line both replace).
+    metrics: Any = None
+    weighted_metrics: Any = None
     # Token data (data=text, data=tokens) is cut into windows of seq_len + 1 tokens; text
     # (data=jsonl) is padded or cut to seq_len tokens.
     seq_len: int = 128
@@ -61,6 +70,21 @@ class ModelConfig:
             f"model.init_from={self.init_from!r} must be a {', '.join(WEIGHT_FILES)} file",
         )
         self.layout_rules = checked_layout_rules("model.layout_rules", self.layout_rules)
+        self.metrics = checked_metrics("model.metrics", self.metrics)
+        self.weighted_metrics = checked_metrics("model.weighted_metrics", self.weighted_metrics)
+        self.loss_weights = checked_loss_weights(self.loss_weights)
+
+    def metric_names(self) -> list[tuple[str, str]]:
+        """(config key, metric name) for each metric, of every output."""
+        return [
+            (key, name)
+            for key, metrics in (
+                ("model.metrics", self.metrics),
+                ("model.weighted_metrics", self.weighted_metrics),
+            )
+            for names in (metrics.values() if isinstance(metrics, dict) else [metrics])
+            for name in names
+        ]
 
     def build_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the `build` function."""
@@ -69,6 +93,42 @@ class ModelConfig:
     def layout_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the `layout` function besides the device mesh."""
         return {}
+
+
+def checked_metrics(key: str, metrics: Any) -> list[str] | dict[str, list[str]]:
+    """A list of metric names, or a dict of them by output name (one name given alone
+    becomes a list of one)."""
+
+    def names(value: Any, where: str) -> list[str]:
+        value = [value] if isinstance(value, str) else value
+        require(
+            isinstance(value, list | tuple) and all(isinstance(n, str) for n in value),
+            f"{where}={value!r} must be a list of metric names",
+        )
+        return list(value)
+
+    if metrics is None:
+        return []
+    if isinstance(metrics, Mapping):
+        return {str(output): names(value, f"{key}.{output}") for output, value in metrics.items()}
+    return names(metrics, key)
+
+
+def checked_loss_weights(weights: Any) -> list[float] | dict[str, float] | None:
+    """None, or a number per output: a dict by output name, or a list in Keras' order of
+    the outputs."""
+    if weights is None:
+        return None
+    numbers = list(weights.values()) if isinstance(weights, Mapping) else weights
+    require(
+        isinstance(numbers, list | tuple)
+        and all(isinstance(w, int | float) and not isinstance(w, bool) for w in numbers),
+        f"model.loss_weights={weights!r} must be a number per output, by output name "
+        "({priority: 1.0, department: 0.2}) or as a list in Keras' order of the outputs",
+    )
+    if isinstance(weights, Mapping):
+        return {str(name): float(w) for name, w in weights.items()}
+    return [float(w) for w in numbers]
 
 
 @dataclass

@@ -110,21 +110,38 @@ def open_arrays(path: str, what: str) -> tuple[dict[str, object], list[Path]]:
         raise ConfigError(f"{what}={path!r} cannot be read as a .npz file: {e}") from e
 
 
-def input_keys(arrays: dict[str, object], what: str, path: str) -> dict[str | None, str]:
-    """Model input name (None for a model with one input) -> key of its array."""
+def named_keys(arrays: dict[str, object], prefix: str) -> dict[str | None, str]:
+    """`{None: prefix}` where the array `prefix` is there, else `{name: key}` for each array
+    `<prefix>_<name>` (several model inputs or outputs, by name); empty where neither is."""
+    named = {
+        key[len(prefix) + 1 :]: key
+        for key in sorted(arrays)
+        if key.startswith(f"{prefix}_") and len(key) > len(prefix) + 1
+    }
+    return {None: prefix} if prefix in arrays and not named else named
+
+
+def input_and_label_keys(
+    arrays: dict[str, object], what: str, path: str
+) -> tuple[dict[str | None, str], dict[str | None, str]]:
+    """(model input name -> key of its array, model output name -> key of its labels); the
+    name is None for a model with one input (array `x`) or one output (array `y`)."""
     found = ", ".join(sorted(arrays)) or "none"
-    named = {key[2:]: key for key in sorted(arrays) if key.startswith("x_") and len(key) > 2}
-    if "x" in arrays and named:
-        raise ConfigError(
-            f"{what}={path!r} has both 'x' and per-input arrays ({', '.join(named.values())}); "
-            "give either 'x' (one model input) or 'x_<input name>' for each input"
-        )
-    if ("x" not in arrays and not named) or "y" not in arrays:
+    for prefix, role in (("x", "input"), ("y", "output")):
+        named = [key for key in named_keys(arrays, prefix).values() if key != prefix]
+        if prefix in arrays and named:
+            raise ConfigError(
+                f"{what}={path!r} has both {prefix!r} and per-{role} arrays "
+                f"({', '.join(named)}); give either {prefix!r} (one model {role}) or "
+                f"'{prefix}_<{role} name>' for each {role}"
+            )
+    inputs, labels = named_keys(arrays, "x"), named_keys(arrays, "y")
+    if not inputs or not labels:
         raise ConfigError(
             f"{what}={path!r} needs arrays 'x' (or 'x_<input name>' for each model input) "
-            f"and 'y'; found: {found}"
+            f"and 'y' (or 'y_<output name>' for each model output); found: {found}"
         )
-    return {None: "x"} if "x" in arrays else named
+    return inputs, labels
 
 
 def example_spec(array) -> ArraySpec:

@@ -1,9 +1,11 @@
 """Arrays on disk: a .npz file, or a directory of .npy files, read one batch slice at a time.
 
 Keys: `x` (a model with one input) or `x_<name>` for each named input (a batch's x is then a
-dict by input name), `y`, and optionally `sample_weight` (per example, or per label position
-of sequence labels), which a batch then gives third, as Keras' `fit` takes it. Other keys are
-ignored. A directory of .npy files and an
+dict by input name), `y` (one output) or `y_<name>` for each named output (a batch's y is then
+a dict by output name, as Keras takes the labels of several outputs), and optionally
+`sample_weight` (per example, or per label position of sequence labels; with several outputs,
+for each of them) or `sample_weight_<name>` for each named output, which a batch then gives
+third, as Keras' `fit` takes it. Other keys are ignored. A directory of .npy files and an
 uncompressed .npz (`np.savez`) are memory-mapped, so data larger than memory works: a batch
 reads only its own rows, sorted so that page reads stay local. The members of a compressed
 .npz (`np.savez_compressed`) cannot be mapped: their headers are read at once, and each member
@@ -17,7 +19,7 @@ Integer labels are class ids. Counting the classes and the label prior (the base
 needs every label: they are scanned once, in chunks, up to `LABEL_SCAN_LIMIT` labels (a few
 hundred MB at most; label arrays are small next to their inputs). Beyond that the scan is
 refused and `data.num_classes` must be set; the baseline loss is then left unknown. Float
-labels have neither.
+labels have neither, nor have the labels of several outputs (the loss is their weighted sum).
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from training.data import (
     prior_cross_entropy_of_counts,
     sampled_fingerprint,
 )
-from training.data.array_files import common_length, example_spec, input_keys, open_arrays
+from training.data.array_files import (
+    common_length,
+    example_spec,
+    input_and_label_keys,
+    named_keys,
+    open_arrays,
+)
 
 # The optional array of per-example (or per-label) weights of the loss and weighted metrics.
 SAMPLE_WEIGHT = "sample_weight"
@@ -58,9 +66,9 @@ class ArrayData:
     def __init__(self, cfg: ArrayDataConfig):
         self.cfg = cfg
         train_arrays, files = open_arrays(cfg.path, "data.path")
-        self.inputs = input_keys(train_arrays, "data.path", cfg.path)
-        self.weighted = SAMPLE_WEIGHT in train_arrays
-        keys = [*self.inputs.values(), "y", *([SAMPLE_WEIGHT] if self.weighted else [])]
+        self.inputs, self.labels = input_and_label_keys(train_arrays, "data.path", cfg.path)
+        self.weights = self._weight_keys(train_arrays)
+        keys = [*self.inputs.values(), *self.labels.values(), *self.weights.values()]
         total = common_length(train_arrays, keys, "data.path", cfg.path)
         if cfg.held_out_path:
             held_arrays, held_files = open_arrays(cfg.held_out_path, "data.held_out_path")
@@ -89,11 +97,12 @@ class ArrayData:
         }
         num_classes, baseline = self._classes()
         x_specs = {name: example_spec(train_arrays[key]) for name, key in self.inputs.items()}
-        labels = example_spec(train_arrays["y"])
+        labels = {name: example_spec(train_arrays[key]) for name, key in self.labels.items()}
+        weights = self._weight_specs(train_arrays, labels)
         self.spec = DataSpec(
             inputs=x_specs.get(None, x_specs),
-            labels=labels,
-            sample_weight=self._weight_spec(train_arrays, labels),
+            labels=labels.get(None, labels),
+            sample_weight=weights.get(None, weights) or None,
             examples=self.splits["train"].count,
             held_out_examples=self.splits["held_out"].count,
             fingerprint=self._fingerprint(files, keys),
@@ -101,34 +110,49 @@ class ArrayData:
             baseline_loss=baseline,
         )
 
-    def _weight_spec(self, arrays: dict, labels: ArraySpec) -> ArraySpec | None:
+    def _weight_keys(self, arrays: dict) -> dict[str | None, str]:
+        """Output name (None: every output) -> key of its sample weights: `sample_weight`, or
+        `sample_weight_<output name>` for each output of several."""
+        weights = named_keys(arrays, SAMPLE_WEIGHT)
+        both = SAMPLE_WEIGHT in arrays and None not in weights
+        if not both and (None in weights or not weights or set(weights) == set(self.labels)):
+            return weights
+        raise ConfigError(
+            f"data.path={self.cfg.path!r} has sample weights "
+            f"{', '.join(weights.values())} for labels {', '.join(self.labels.values())}: "
+            "give one sample_weight for every output, or sample_weight_<output name> for "
+            "each y_<output name>"
+        )
+
+    def _weight_specs(
+        self, arrays: dict, labels: dict[str | None, ArraySpec]
+    ) -> dict[str | None, ArraySpec]:
         """A weight per example, or one per label where labels are sequences (a weight per
-        token), as Keras' `sample_weight`."""
-        if not self.weighted:
-            return None
-        spec = example_spec(arrays[SAMPLE_WEIGHT])
-        fits = spec.shape in ((), labels.shape[:1]) and np.issubdtype(spec.dtype, np.number)
-        if not fits:
-            raise ConfigError(
-                f"data.path={self.cfg.path!r}: sample_weight has examples of "
-                f"{spec.describe()}; it takes one number per example (shape []) or, for "
-                f"labels y of shape {list(labels.shape)}, one per label position (shape "
-                f"{list(labels.shape[:1])})"
-            )
-        return spec
+        token), as Keras' `sample_weight`: by output name, None for every output."""
+        specs = {name: example_spec(arrays[key]) for name, key in self.weights.items()}
+        for name, spec in specs.items():
+            for label_key, label in self.labels.items():
+                if name not in (None, label_key):
+                    continue
+                label_shape = labels[label_key].shape
+                fits = spec.shape in ((), label_shape[:1]) and np.issubdtype(spec.dtype, np.number)
+                if not fits:
+                    raise ConfigError(
+                        f"data.path={self.cfg.path!r}: {self.weights[name]} has examples of "
+                        f"{spec.describe()}; it takes one number per example (shape []) or, "
+                        f"for labels {label} of shape {list(label_shape)}, one per label "
+                        f"position (shape {list(label_shape[:1])})"
+                    )
+        return specs
 
     def _check_held_out(self, train: dict, held: dict, keys: list[str]) -> None:
-        held_inputs = input_keys(held, "data.held_out_path", self.cfg.held_out_path)
-        if held_inputs != self.inputs:
+        held_keys = input_and_label_keys(held, "data.held_out_path", self.cfg.held_out_path)
+        held_weights = named_keys(held, SAMPLE_WEIGHT)
+        if (*held_keys, held_weights) != (self.inputs, self.labels, self.weights):
+            held_keys = [*held_keys[0].values(), *held_keys[1].values(), *held_weights.values()]
             raise ConfigError(
-                f"data.held_out_path={self.cfg.held_out_path!r} has inputs "
-                f"{', '.join(held_inputs.values())} but data.path={self.cfg.path!r} has "
-                f"{', '.join(self.inputs.values())}"
-            )
-        if (SAMPLE_WEIGHT in held) != self.weighted:
-            raise ConfigError(
-                f"data.path={self.cfg.path!r} and data.held_out_path="
-                f"{self.cfg.held_out_path!r} must both have a sample_weight array, or neither"
+                f"data.held_out_path={self.cfg.held_out_path!r} has arrays "
+                f"{', '.join(held_keys)} but data.path={self.cfg.path!r} has {', '.join(keys)}"
             )
         differ = [
             f"{key}: training {example_spec(train[key]).describe()}, "
@@ -145,6 +169,13 @@ class ArrayData:
     def _classes(self) -> tuple[int | None, float | None]:
         """(num_classes, baseline_loss) of integer labels; see the module's docstring."""
         cfg, train = self.cfg, self.splits["train"]
+        if None not in self.labels:
+            if cfg.num_classes:
+                raise ConfigError(
+                    f"data.num_classes={cfg.num_classes} applies to one array of labels y, "
+                    f"but data.path={cfg.path!r} has {', '.join(self.labels.values())}"
+                )
+            return None, None
         y = train.arrays["y"]
         if not np.issubdtype(y.dtype, np.integer):
             if cfg.num_classes:
@@ -225,12 +256,14 @@ class ArrayData:
             return restore(part.arrays[key][ids])
 
         x = {name: read(key) for name, key in self.inputs.items()}
-        y = read("y")
-        weights = (read(SAMPLE_WEIGHT),) if self.weighted else ()
+        y = {name: read(key) for name, key in self.labels.items()}
+        weights = {name: read(key) for name, key in self.weights.items()}
         classes = self.spec.num_classes
-        if classes is not None and y.size and (y.min() < 0 or y.max() >= classes):
+        labels = y.get(None)
+        if classes is not None and labels.size and (labels.min() < 0 or labels.max() >= classes):
             raise ConfigError(
-                f"a {split} batch has label {y.min() if y.min() < 0 else y.max()}, outside "
+                f"a {split} batch has label "
+                f"{labels.min() if labels.min() < 0 else labels.max()}, outside "
                 f"the {classes} classes (data.num_classes)"
             )
-        return x.get(None, x), y, *weights
+        return x.get(None, x), y.get(None, y), *([weights.get(None, weights)] if weights else [])

@@ -61,8 +61,7 @@ def named_objects(cfg: RunConfig) -> list[tuple[str, str]]:
         ("model.layout", model.layout),
         ("model.loss", model.loss),
         ("optimizer.schedule", cfg.optimizer.schedule),
-        *(("model.metrics", name) for name in model.metrics),
-        *(("model.weighted_metrics", name) for name in model.weighted_metrics),
+        *model.metric_names(),
     ]
     return [(key, path) for key, path in named if path and names_object(path)]
 

@@ -17,17 +17,31 @@ def symbolic_inputs(data_spec: DataSpec):
 
 
 def symbolic_batch(data_spec: DataSpec) -> tuple:
-    """(x, y) or (x, y, sample_weight) as Keras tensors of any batch size."""
+    """(x, y) or (x, y, sample_weight) as Keras tensors of any batch size (y and
+    sample_weight dicts by output name where the model has several outputs)."""
     import keras
 
-    def tensor(spec: ArraySpec):
+    def tensors(spec: ArraySpec | dict[str, ArraySpec]):
+        if isinstance(spec, dict):
+            return {name: tensors(one) for name, one in spec.items()}
         return keras.KerasTensor((None, *spec.shape), dtype=spec.dtype)
 
-    weights = (tensor(data_spec.sample_weight),) if data_spec.sample_weight else ()
-    return (symbolic_inputs(data_spec), tensor(data_spec.labels), *weights)
+    weights = (tensors(data_spec.sample_weight),) if data_spec.sample_weight else ()
+    return (symbolic_inputs(data_spec), tensors(data_spec.labels), *weights)
 
 
-def describe(inputs: ArraySpec | dict[str, ArraySpec]) -> str:
-    if isinstance(inputs, dict):
-        return ", ".join(f"x_{name} {spec.describe()}" for name, spec in inputs.items())
-    return f"x {inputs.describe()}"
+def describe(arrays: ArraySpec | dict[str, ArraySpec], prefix: str = "x") -> str:
+    """Arrays as the data names them: `x float32 [16]`, or `x_<name> ...` for each name."""
+    if isinstance(arrays, dict):
+        return ", ".join(f"{prefix}_{name} {spec.describe()}" for name, spec in arrays.items())
+    return f"{prefix} {arrays.describe()}"
+
+
+def output_shapes(output) -> str:
+    """A model's output shapes (the batch dimension left out): `[4]`, or by output name
+    `{'department': [4], 'priority': [1]}`."""
+    if isinstance(output, dict):
+        return str({name: list(one.shape[1:]) for name, one in output.items()})
+    if isinstance(output, list | tuple):
+        return str([list(one.shape[1:]) for one in output])
+    return str(list(output.shape[1:]))

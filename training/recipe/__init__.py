@@ -18,6 +18,7 @@ def compile_model(model, cfg: RunConfig) -> None:
     model.compile(
         optimizer=build_optimizer(cfg.optimizer, cfg.trainer.steps, cfg.trainer.accumulate),
         loss=models.build_loss(cfg.model),
+        loss_weights=cfg.model.loss_weights,
         metrics=build_metrics("model.metrics", cfg.model.metrics),
         weighted_metrics=build_metrics("model.weighted_metrics", cfg.model.weighted_metrics),
     )

@@ -13,14 +13,17 @@ from training.config.common import names_object
 from training.contracts import DataSpec
 from training.models.abstract import without_weights
 from training.models.locate import locate
-from training.models.symbolic import describe, symbolic_batch, symbolic_inputs
+from training.models.symbolic import describe, output_shapes, symbolic_batch, symbolic_inputs
 
 
-def build_metrics(key: str, names: list[str]) -> list:
+def build_metrics(key: str, names: list[str] | dict[str, list[str]]) -> list | dict:
     """Keras metric identifiers as they are (Keras resolves `accuracy` against the loss and
-    labels at compile), and `module:function` names called for a metric or a function."""
+    labels at compile), and `module:function` names called for a metric or a function; a
+    dict of them by output name as a dict."""
     import keras
 
+    if isinstance(names, dict):
+        return {output: build_metrics(key, each) for output, each in names.items()}
     built = []
     for name in names:
         if not names_object(name):
@@ -59,28 +62,39 @@ def _metric_misfit(cfg: ModelConfig, model, data_spec: DataSpec, error: Exceptio
     """Which metric does not fit, with the output and label shapes."""
     output = model.compute_output_spec(symbolic_inputs(data_spec))
     shapes = (
-        f"the model's output {list(getattr(output, 'shape', ['?'])[1:])} and the labels "
-        f"{data_spec.labels.describe()} (batch dimension left out)"
+        f"the model's output {output_shapes(output)} and the labels "
+        f"{_labels(data_spec)} (batch dimension left out)"
     )
     culprit = _first_misfit(cfg, model, data_spec)
     what = f"{culprit[0]}: {culprit[1]!r}" if culprit else "the compiled metrics"
     return f"{what} cannot apply to {shapes}: {type(error).__name__}: {_first_line(error)}"
 
 
+def _labels(data_spec: DataSpec) -> str:
+    labels = data_spec.labels
+    return describe(labels, "y") if isinstance(labels, dict) else labels.describe()
+
+
 def _first_misfit(cfg: ModelConfig, model, data_spec: DataSpec) -> tuple[str, str] | None:
     """The first (key, metric) that fails alone; the model is left compiled with it."""
-    for key, names in (
+    for key, metrics in (
         ("model.metrics", cfg.metrics),
         ("model.weighted_metrics", cfg.weighted_metrics),
     ):
-        for name in names:
-            model.compile(
-                optimizer=model.optimizer, loss=model.loss, metrics=build_metrics(key, [name])
-            )
-            try:
-                keras_compat.build_training_state(model, symbolic_batch(data_spec))
-            except Exception:
-                return key, name
+        by_output = metrics.items() if isinstance(metrics, dict) else [(None, metrics)]
+        for output, names in by_output:
+            for name in names:
+                alone = build_metrics(key, [name])
+                model.compile(
+                    optimizer=model.optimizer,
+                    loss=model.loss,
+                    loss_weights=cfg.loss_weights,
+                    metrics=alone if output is None else {output: alone},
+                )
+                try:
+                    keras_compat.build_training_state(model, symbolic_batch(data_spec))
+                except Exception:
+                    return (key if output is None else f"{key}.{output}"), name
     return None
 
 
@@ -103,7 +117,7 @@ def _check_test_step(model, data_spec: DataSpec) -> list[str]:
     except Exception as error:
         raise ConfigError(
             f"the model cannot be evaluated on the held-out data ({describe(data_spec.inputs)}"
-            f", y {data_spec.labels.describe()}): Keras' test_step raised "
+            f", {describe(data_spec.labels, 'y')}): Keras' test_step raised "
             f"{type(error).__name__}: {_first_line(error)}. Set trainer.eval_batches=0 to train "
             "without evaluating, or give the model a test_step of its own"
         ) from None
