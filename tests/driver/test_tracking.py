@@ -4,26 +4,24 @@ own transaction log; a resumed run continuing its tracked run; a sweep's parent 
 tracker that never answers; a tracker's package missing."""
 
 import json
-import os
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from numbers import Real
 from pathlib import Path
 
 import pytest
 
+from scripts.bench.harness import local_mlflow_server
 from tests.conftest import FAST, png_size, run_config
 from training.config import ConfigError
 from training.run import run_training
 
-REPO = Path(__file__).resolve().parents[2]
 IN_PROCESS = ["cluster=inprocess"]
-SERVER_START_S = 180
+# Where what is tested is not the rows: one logged step, nothing exported.
+SHORT = ["trainer.steps=2", "export.enabled=false"]
 # A small token model: its rows hold tokens/s per device, and MFU against the peak given.
 TOKEN_MODEL = [
     *("model=transformer", "data=text", "model.kwargs.layers=1", "model.kwargs.d_model=32"),
@@ -31,46 +29,11 @@ TOKEN_MODEL = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """`mlflow server` on loopback with a sqlite store; its URI."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    command = [
-        *(sys.executable, "-m", "mlflow", "server"),
-        *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
-        *("--artifacts-destination", str(root / "artifacts")),
-        *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
-    ]
-    log = (root / "server.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(uri, server, root / "server.log")
+    """A tracking server on loopback (sqlite store) for this module's tests; its URI."""
+    with local_mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
         yield uri
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
-        server.wait(timeout=30)
-        log.close()
-
-
-def wait_healthy(uri: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log.read_text()[-2000:]
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                if answer.read().decode().strip() == "OK":
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"mlflow server not healthy in {SERVER_START_S} s")
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -146,7 +109,7 @@ def test_a_sweep_nests_its_trials_under_one_parent_run(mlflow_server, tmp_path):
     uri = f"tracking.uri={mlflow_server}"
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "training.run", "-m", *IN_PROCESS, *FAST),
+            *(sys.executable, "-m", "training.run", "-m", *IN_PROCESS, *FAST, *SHORT),
             *("tracking=mlflow", uri, "tracking.experiment=sweep"),
             *("optimizer.learning_rate=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}"),
         ],
@@ -179,9 +142,9 @@ def test_a_tracker_that_never_answers_is_a_warning_and_the_run_completes(tmp_pat
         silent.listen(16)
         uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
         overrides = ["tracking=mlflow", f"tracking.uri={uri}", "tracking.timeout_s=1"]
-        summary = run_training(run_config([*FAST, *IN_PROCESS, *overrides]), tmp_path)
+        summary = run_training(run_config([*FAST, *IN_PROCESS, *SHORT, *overrides]), tmp_path)
     assert summary["status"] == "completed"
-    assert len(metric_rows(tmp_path)) == 3
+    assert len(metric_rows(tmp_path)) == 1
     log = (tmp_path / "run.log").read_text()
     assert f"warning: tracking: could not open a mlflow run ({uri})" in log, log
 
@@ -190,7 +153,7 @@ def test_wandb_offline_holds_the_config_every_row_and_the_end(tmp_path):
     overrides = ["tracking=wandb", "tracking.mode=offline", "tracking.project=p"]
     summary = run_training(run_config([*FAST, *IN_PROCESS, *overrides]), tmp_path)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    records = wandb_records(next(run_dir.glob("run-*.wandb")))
+    records = finished_wandb_records(next(run_dir.glob("run-*.wandb")))
 
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
@@ -215,6 +178,16 @@ def test_wandb_offline_holds_the_config_every_row_and_the_end(tmp_path):
     saved = run_dir / "files"
     assert json.loads((saved / "summary.json").read_text())["status"] == "completed"
     assert png_size(saved / "report.png")[0] > 0
+
+
+def finished_wandb_records(path: Path, within_s: float = 60.0) -> list:
+    """The records of a finished W&B run, once its service has written the last (`exit`):
+    it writes the file after `finish` returns."""
+    deadline = time.monotonic() + within_s
+    while (records := wandb_records(path))[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the W&B run's log has no exit record"
+        time.sleep(0.5)
+    return records
 
 
 def wandb_records(path: Path) -> list:
