@@ -11,8 +11,8 @@ sweep's launcher groups its trials (`group_trials`): an MLflow parent run, a W&B
 
 A tracker is never the run's failure: one that cannot be reached when the run starts, or
 that fails or stalls later, is one warning, and the run goes on without it. Every call is
-bounded by `tracking.timeout_s`; rows are sent from a thread of their own, so the driver
-never waits on the tracker while hosts train.
+bounded by `tracking.timeout_s`; rows are sent from a thread of their own, those of each
+second in one call, so the driver never waits on the tracker while hosts train.
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ SUMMARY_FILE, REPORT_FILE = "summary.json", "report.png"
 NOT_PARAMS = ("tracking.run_id", "tracking.parent_run_id")
 # MLflow takes at most this many params in one call, and this many characters a value.
 MLFLOW_PARAMS_PER_CALL, MLFLOW_PARAM_CHARS = 100, 6000
+# ... and this many metric values.
+MLFLOW_METRICS_PER_CALL = 1000
 REPORT_TIMEOUT_S = 120.0
+# Rows are sent at most this often, those logged meanwhile in one call: a call per row
+# would cost the driver's process (where a cluster=inprocess host runs) a little each step.
+SEND_EVERY_S = 1.0
 # A run's end status -> MLflow's.
 MLFLOW_STATUS = {"completed": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 
@@ -86,43 +91,59 @@ def tracked_run_id(cfg: RunConfig, resuming: bool) -> str:
 
 
 class TrackedRun:
-    """The driver's tracked run: `write` each metric row, `finish` with the summary. Calls
-    after the first failure are dropped (one warning)."""
+    """The driver's tracked run: `write` each metric row, `finish` with the summary. Rows go
+    from a thread of their own, those of each second in one call; calls after the first
+    failure are dropped (one warning)."""
 
     def __init__(self, backend, timeout_s: float, warn: Warn):
         self.backend, self.timeout_s, self.warn = backend, timeout_s, warn
         self.run_id = backend.run_id if backend else ""
-        self._calls: queue.Queue = queue.Queue()
+        self._sent: queue.Queue = queue.Queue()  # ("row", (values, step)), ("finish", ...)
         self._failed = False
         if backend:
             threading.Thread(target=self._send, name="tracker", daemon=True).start()
 
     def write(self, record: dict) -> None:
         if self.backend and not self._failed:
-            self._calls.put((self.backend.log_metrics, scalars(record), record["step"]))
+            self._sent.put(("row", (scalars(record), record["step"])))
 
     def finish(self, summary: dict, output_dir: Path) -> None:
         """Send the run's end and wait for it, at most the report's time and a few calls'."""
         if not self.backend or self._failed:
             return
         done = threading.Event()
-        self._calls.put((self.backend.finish, summary, output_dir))
-        self._calls.put((None, done))
-        if not done.wait(REPORT_TIMEOUT_S + 4 * self.timeout_s):
+        self._sent.put(("finish", (summary, output_dir, done)))
+        if not done.wait(SEND_EVERY_S + REPORT_TIMEOUT_S + 4 * self.timeout_s):
             self._stop(f"{self.backend.name} did not answer in time; the run's end is not logged")
 
     def _send(self) -> None:
         while True:
-            call, *args = self._calls.get()
-            if call is None:  # `finish` waits for what was sent before
-                args[0].set()
-                continue
-            if self._failed:
-                continue
-            try:
-                call(*args)
-            except Exception as error:  # noqa: BLE001 - a tracker never fails the run
-                self._stop(f"{self.backend.name} failed: {type(error).__name__}: {error}")
+            first = self._sent.get()
+            if first[0] == "row":
+                time.sleep(SEND_EVERY_S)  # the rows logged meanwhile go in the same call
+            items = [first, *self._queued()]
+            if rows := [args for kind, args in items if kind == "row"]:
+                self._call(self.backend.log_rows, rows)
+            for kind, args in items:
+                if kind == "finish":
+                    summary, output_dir, done = args
+                    self._call(self.backend.finish, summary, output_dir)
+                    done.set()
+                    return
+
+    def _queued(self) -> list:
+        found = []
+        while not self._sent.empty():
+            found.append(self._sent.get_nowait())
+        return found
+
+    def _call(self, call, *args) -> None:
+        if self._failed:
+            return
+        try:
+            call(*args)
+        except Exception as error:  # noqa: BLE001 - a tracker never fails the run
+            self._stop(f"{self.backend.name} failed: {type(error).__name__}: {error}")
 
     def _stop(self, why: str) -> None:
         if not self._failed:
@@ -226,12 +247,17 @@ class MlflowRun:
         for start in range(0, len(items), MLFLOW_PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=items[start : start + MLFLOW_PARAMS_PER_CALL])
 
-    def log_metrics(self, values: dict[str, float], step: int) -> None:
+    def log_rows(self, rows: list[tuple[dict[str, float], int]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for key, value in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        metrics = [Metric(k, v, now, step) for values, step in rows for k, v in values.items()]
+        self._log_batches("metrics", metrics, MLFLOW_METRICS_PER_CALL)
+
+    def _log_batches(self, kind: str, items: list, per_call: int) -> None:
+        """`items` (params or metrics) in calls of at most `per_call`, as MLflow takes them."""
+        for start in range(0, len(items), per_call):
+            self.client.log_batch(self.run_id, **{kind: items[start : start + per_call]})
 
     def finish(self, summary: dict, output_dir: Path) -> None:
         self.client.log_artifact(self.run_id, str(output_dir / SUMMARY_FILE))
@@ -280,8 +306,9 @@ class WandbRun:
         )
         self.run_id = self.run.id
 
-    def log_metrics(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
+    def log_rows(self, rows: list[tuple[dict[str, float], int]]) -> None:
+        for values, step in rows:
+            self.run.log(values, step=step)
 
     def finish(self, summary: dict, output_dir: Path) -> None:
         self.run.save(str(output_dir / SUMMARY_FILE), base_path=str(output_dir), policy="now")
