@@ -17,6 +17,7 @@ import pytest
 from scripts.bench.harness import local_mlflow_server
 from tests.conftest import FAST, png_size, run_config
 from training.config import ConfigError
+from training.report import find_runs
 from training.run import run_training
 
 IN_PROCESS = ["cluster=inprocess"]
@@ -151,8 +152,11 @@ def test_a_tracker_that_never_answers_is_a_warning_and_the_run_completes(tmp_pat
 
 def test_wandb_offline_holds_the_config_every_row_and_the_end(tmp_path):
     overrides = ["tracking=wandb", "tracking.mode=offline", "tracking.project=p"]
-    summary = run_training(run_config([*FAST, *IN_PROCESS, *overrides]), tmp_path)
-    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    output = tmp_path / "run"
+    summary = run_training(run_config([*FAST, *IN_PROCESS, *overrides]), output)
+    # The report of the directory above finds the run, not W&B's copy of its summary too.
+    assert [run.label for run in find_runs(tmp_path)] == ["run"]
+    (run_dir,) = (output / "wandb").glob("offline-run-*")
     records = finished_wandb_records(next(run_dir.glob("run-*.wandb")))
 
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
@@ -164,7 +168,7 @@ def test_wandb_offline_holds_the_config_every_row_and_the_end(tmp_path):
         if record.WhichOneof("record_type") == "history":
             items = {i.nested_key[0]: json.loads(i.value_json) for i in record.history.item}
             history[items.pop("_step")] = items
-    rows = metric_rows(tmp_path)
+    rows = metric_rows(output)
     assert sorted(history) == [row["step"] for row in rows]
     for row in rows:
         logged = {k: v for k, v in history[row["step"]].items() if not k.startswith("_")}
