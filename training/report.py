@@ -28,6 +28,7 @@ from training.driver.metrics import metric_names
 from training.driver.sweep import format_number, varying_overrides
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
+TRACKER_FILES = "wandb"  # the folder W&B keeps a tracked run's files in, in its directory
 HOST_LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -76,7 +77,13 @@ def find_runs(directory: Path) -> list[Run]:
     if any((directory / name).exists() for name in RUN_FILES):
         return [load_run(directory, directory.name)]
     run_dirs = sorted(
-        {path.parent for name in RUN_FILES for path in directory.rglob(name)},
+        {
+            path.parent
+            for name in RUN_FILES
+            for path in directory.rglob(name)
+            # W&B's copy of a run's summary.json (tracking=wandb) is not a run of its own.
+            if TRACKER_FILES not in path.relative_to(directory).parts
+        },
         key=lambda path: _natural(path.relative_to(directory)),
     )
     if not run_dirs:

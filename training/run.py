@@ -51,6 +51,7 @@ from training.driver.hosts import hosts_reachable, request_hosts, sized_to_clust
 from training.driver.summary import nothing_left_summary, write_summary  # noqa: E402
 from training.driver.supervisor import Supervisor  # noqa: E402
 from training.driver.sweep import objective  # noqa: E402
+from training.driver.tracking import check_tracking  # noqa: E402
 
 register_configs()
 
@@ -58,7 +59,9 @@ register_configs()
 def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console | None = None):
     """Check the config, train, write results under `output_dir`; return the summary."""
     console = console or Console()
-    with sized_to_cluster(settled_outputs(to_run_config(cfg), output_dir)) as cfg:
+    cfg = settled_outputs(to_run_config(cfg), output_dir)
+    check_tracking(cfg.tracking)  # before Ray: a run never starts hosts it cannot track
+    with sized_to_cluster(cfg) as cfg:
         cfg, compiled = chosen_strategy(cfg, console)
         check_sizes(cfg)  # instant: a mesh or batch that cannot work fails before Ray starts
         # Ray starts before the rest of the checks, not beside them in a thread: it starts its
@@ -193,7 +196,8 @@ def main(cfg: DictConfig) -> float:
         # The sweep's launcher records a failed trial's error and goes on with the others.
         run = to_run_config(cfg)
         return objective(run_training(run, output_dir), run.sweep)
-    errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    # Not markup: an error quotes settings such as `[optimizer.learning_rate]` or `.[tracking]`.
+    errors = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     try:
         run = to_run_config(cfg)
         summary = run_training(run, output_dir)

@@ -55,6 +55,7 @@ from rich.console import Console
 
 from training.config import IN_PROCESS, ConfigError
 from training.driver.sweep import print_results, read_summary, trial_row, write_results
+from training.driver.tracking import check_tracking, group_trials
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,9 @@ class HostGroupLauncher(Launcher):
         self.rows: dict[int, dict] = {}
         # Each trial's checkpoint subdirectory name -> its trial number.
         self.checkpoint_ids: dict[str, int] = {}
+        # What each trial sets in `tracking` to be grouped with the sweep's others (None:
+        # not settled yet; a sweeper's later batches join the same group).
+        self.tracking_group: dict[str, str] | None = None
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -165,10 +169,14 @@ class HostGroupLauncher(Launcher):
         try:
             settings = OmegaConf.to_object(self.config.sweep)
             cluster = OmegaConf.to_object(self.config.cluster)
+            tracking = OmegaConf.to_object(self.config.tracking)
+            check_tracking(tracking)
         except ConfigError as error:
             raise SweepFailed(f"error: {error}") from None
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        if self.tracking_group is None:
+            self.tracking_group = group_trials(tracking, sweep_dir, log.warning)
         trials = [
             self._trial(initial_job_idx + i, list(overrides), sweep_dir)
             for i, overrides in enumerate(job_overrides)
@@ -197,6 +205,8 @@ class HostGroupLauncher(Launcher):
             # Absolute, since the trial's process resolves it from its own directory.
             config.hydra.sweep.dir = str(sweep_dir)
             self._own_checkpoint_dir(config, number, overrides)
+            for key, value in self.tracking_group.items():
+                config.tracking[key] = value
         subdir = OmegaConf.select(config, "hydra.sweep.subdir")
         log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
         return Trial(number, overrides, config, sweep_dir / str(subdir))

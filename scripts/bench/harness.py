@@ -307,6 +307,52 @@ def running_ray_instance():
         process.wait(timeout=60)
 
 
+# ---- an MLflow tracking server (tracking=mlflow), for benchmarks and tests -------------
+
+MLFLOW_START_S = 180  # a cold start on a busy 2-core machine took 60 s
+
+
+@contextmanager
+def local_mlflow_server(root: Path):
+    """`mlflow server` on loopback with a sqlite store and its artifacts under `root`, one
+    worker; its URI once /health answers OK. Stopped afterwards (killed if it lingers)."""
+    import signal
+    import urllib.request
+
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--workers", "1"),
+        *("--artifacts-destination", str(root / "artifacts")),
+    ]
+    log_path = root / "mlflow-server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + MLFLOW_START_S
+        while not _answers_ok(f"{uri}/health", urllib.request):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its worker: its own group
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+
+
+def _answers_ok(url: str, request) -> bool:
+    try:
+        with request.urlopen(url, timeout=2) as answer:
+            return answer.read().decode().strip() == "OK"
+    except OSError:
+        return False
+
+
 # ---- the baseline: plain processes running a hand-written jax.jit loop -----------------
 
 

@@ -63,11 +63,21 @@ def inspect_checkpoints(
 def newest_figures(cfg: CheckpointConfig) -> dict:
     """The figures logged at the newest checkpoint's step (`final_loss`, `final_<metric>`,
     `eval_*`), as its record keeps them; {} where it kept none."""
+    return newest_record(cfg).get("figures", {})
+
+
+def newest_run_config(cfg: CheckpointConfig) -> dict:
+    """The config values (by group) the newest checkpoint's record keeps; {} where there is
+    no checkpoint."""
+    return newest_record(cfg).get("run_config", {}).get("values", {})
+
+
+def newest_record(cfg: CheckpointConfig) -> dict:
+    """The newest checkpoint's record; {} where there is none."""
     step = newest_step(cfg)
     if step is None:
         return {}
-    record = read_record(open_manager(cfg, read_only=True), checkpoint_path(cfg.dir), step)
-    return record.get("figures", {})
+    return read_record(open_manager(cfg, read_only=True), checkpoint_path(cfg.dir), step)
 
 
 def restart_step(cfg: RunConfig, saved: int) -> int:

@@ -36,8 +36,8 @@ def resume_record(cfg: RunConfig, data_fingerprint: str) -> dict[str, object]:
     if model["loss_weights"] is None:  # as checkpoints written before the key existed say
         del model["loss_weights"]
     record = {
-        **_flatten("model", model),
-        **_flatten("optimizer", asdict(cfg.optimizer)),
+        **flatten("model", model),
+        **flatten("optimizer", asdict(cfg.optimizer)),
         "trainer.global_batch": cfg.trainer.global_batch,
         "trainer.accumulate": cfg.trainer.accumulate,
         "trainer.param_dtype": cfg.trainer.param_dtype,
@@ -47,11 +47,11 @@ def resume_record(cfg: RunConfig, data_fingerprint: str) -> dict[str, object]:
     return json.loads(json.dumps(record))  # as it reads back from the checkpoint
 
 
-def _flatten(prefix: str, value: object) -> dict[str, object]:
+def flatten(prefix: str, value: object) -> dict[str, object]:
     if isinstance(value, dict) and value:
         flat = {}
         for key, item in value.items():
-            flat.update(_flatten(f"{prefix}.{key}", item))
+            flat.update(flatten(f"{prefix}.{key}", item))
         return flat
     return {prefix: value}
 

@@ -57,6 +57,12 @@ from training.config.strategy import (
     StrategyConfig,
 )
 from training.config.sweep import SweepConfig
+from training.config.tracking import (
+    TRACKERS,
+    MlflowTrackingConfig,
+    TrackingConfig,
+    WandbTrackingConfig,
+)
 from training.config.trainer import TrainerConfig
 from training.gpus import MEM_FRACTION, Gpu, discover_gpus
 from training.tpus import count_tpu_chips, tpu_kind
@@ -86,6 +92,7 @@ __all__ = [
     "JsonlDataConfig",
     "LocalClusterConfig",
     "MeshConfig",
+    "MlflowTrackingConfig",
     "ModelConfig",
     "OPTIMIZERS",
     "OptimizerConfig",
@@ -100,6 +107,8 @@ __all__ = [
     "SyntheticDataConfig",
     "TextDataConfig",
     "TokenDataConfig",
+    "WandbTrackingConfig",
+    "TrackingConfig",
     "TrainerConfig",
     "compose_run_config",
     "config_record",
@@ -132,6 +141,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    tracking: Any = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -176,6 +186,7 @@ SCHEMAS = {
     },
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
+    "tracking": TRACKERS,
 }
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from training.checkpoint.inspection import restart_step, saved_before
@@ -27,6 +28,7 @@ from training.driver.metrics import MetricsLog, Throughput
 from training.driver.restarts import Restarts
 from training.driver.summary import Observed, build_summary, run_status, write_summary
 from training.driver.tensorboard import ScalarWriter
+from training.driver.tracking import open_tracked_run, tracked_run_id
 from training.driver.watchdog import Watchdog
 from training.events import (
     Compiled,
@@ -73,6 +75,12 @@ class Supervisor:
         )
         self.log = RunLog(output_dir, display.console)
         self.scalars = ScalarWriter(output_dir)
+        resuming = checked.resume_step is not None
+        self.tracked = open_tracked_run(
+            cfg, tracked_run_id(cfg, resuming), output_dir, self.log.line
+        )
+        # The hosts' checkpoint records keep the tracked run, which a resume continues.
+        self.cfg = replace(cfg, tracking=replace(cfg.tracking, run_id=self.tracked.run_id))
         self.restarts = Restarts(cfg.fault)
         self.coverage = RowCoverage(checked.dataset, cfg.trainer)
         self.watchdog = Watchdog(checked.hosts, cfg.fault)
@@ -88,17 +96,22 @@ class Supervisor:
                 results = self._run_with_restarts()
             summary = self._summary(run_status(results, self.cfg.trainer.steps), results)
         except BaseException as error:
-            write_summary(self.output_dir, self._summary("failed", [], error))
             self.log.line(f"failed: {type(error).__name__}: {error}", show=False)
+            self._finish(self._summary("failed", [], error))
             raise
         finally:
             if self.next_group is not None:
                 self.next_group.shutdown()
             self.metrics.close()
-            self.log.close()
             self.scalars.close()
-        write_summary(self.output_dir, summary)
+        self._finish(summary)
         return summary
+
+    def _finish(self, summary: dict) -> None:
+        """Write summary.json, and end the tracked run with it; close the run's log."""
+        write_summary(self.output_dir, summary)
+        self.tracked.finish(summary, self.output_dir)
+        self.log.close()
 
     def _on_signal(self, signum: int, frame) -> None:
         """SIGTERM or SIGINT: with checkpoints, have every host save and return; without (or
@@ -256,6 +269,7 @@ class Supervisor:
             self._check_rows_fed(record)
             self.display.logged(record)
             self.scalars.write(record)
+            self.tracked.write(record)
 
     def _request_spare(self) -> None:
         """While a group trains and a restart is left, a spare group waits with its processes
