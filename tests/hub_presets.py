@@ -27,7 +27,8 @@ SPECIAL_PIECES = {
 SIZES = dict(num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64)
 
 
-def tokenizer_proto(family: str) -> bytes:
+def tokenizer_proto(family: str, **options) -> bytes:
+    """`options`: SentencePiece's trainer options beyond these."""
     import sentencepiece
 
     model = io.BytesIO()
@@ -43,33 +44,42 @@ def tokenizer_proto(family: str) -> bytes:
         minloglevel=2,
         **SPECIAL_PIECES[family],
         user_defined_symbols=["<start_of_turn>", "<end_of_turn>"] if family == "gemma" else [],
+        **options,
     )
     return model.getvalue()
 
 
-def causal_lm(family: str, with_tokenizer: bool = True):
+def causal_lm(family: str, with_tokenizer: bool = True, tokenizer_options=None, **sizes):
+    """`sizes` replace the tiny ones (`SIZES`) or add to them; `tokenizer_options` are
+    SentencePiece's trainer's."""
     import keras_hub
 
     m = keras_hub.models
+    proto = tokenizer_proto(family, **(tokenizer_options or {}))
     if family == "gemma":
-        tokenizer = m.GemmaTokenizer(proto=tokenizer_proto(family))
-        backbone = m.GemmaBackbone(vocabulary_size=64, intermediate_dim=128, head_dim=8, **SIZES)
+        tokenizer = m.GemmaTokenizer(proto=proto)
+        backbone = m.GemmaBackbone(
+            vocabulary_size=64, intermediate_dim=128, head_dim=8, **(SIZES | sizes)
+        )
         preprocessor = m.GemmaCausalLMPreprocessor(tokenizer, sequence_length=SEQ_LEN)
         task = m.GemmaCausalLM
     else:
-        tokenizer = m.LlamaTokenizer(proto=tokenizer_proto(family))
-        backbone = m.LlamaBackbone(vocabulary_size=64, intermediate_dim=128, **SIZES)
+        tokenizer = m.LlamaTokenizer(proto=proto)
+        backbone = m.LlamaBackbone(vocabulary_size=64, intermediate_dim=128, **(SIZES | sizes))
         preprocessor = m.LlamaCausalLMPreprocessor(tokenizer, sequence_length=SEQ_LEN)
         task = m.LlamaCausalLM
     return task(backbone=backbone, preprocessor=preprocessor if with_tokenizer else None)
 
 
-def write_preset(family: str, directory: Path, with_tokenizer: bool = True) -> Path:
+def write_preset(
+    family: str, directory: Path, with_tokenizer: bool = True, tokenizer_options=None, **sizes
+) -> Path:
     """A preset directory as `save_to_preset` writes it."""
     import keras
 
     keras.utils.set_random_seed(7)
-    causal_lm(family, with_tokenizer).save_to_preset(str(directory))
+    model = causal_lm(family, with_tokenizer, tokenizer_options, **sizes)
+    model.save_to_preset(str(directory))
     return directory
 
 

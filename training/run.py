@@ -86,8 +86,22 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     print_summary(summary, console)
     if summary.get("exported_model"):
         console.print(f"model: {summary['exported_model']}", highlight=False, soft_wrap=True)
+    for written in hf_export_lines(summary.get("hf_export")):
+        console.print(written, highlight=False, soft_wrap=True)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
+
+
+def hf_export_lines(hf_export: dict | None) -> list[str]:
+    """The transformers-format export's paths, and why any part was not written."""
+    if not hf_export:
+        return []
+    written = [
+        f"{label}: {hf_export[key]}"
+        for label, key in (("transformers", "model"), ("PEFT adapter", "adapter"))
+        if hf_export[key]
+    ]
+    return written + [f"not written: {why}" for why in hf_export["not_written"]]
 
 
 def chosen_strategy(cfg: RunConfig, console: Console):
