@@ -2,12 +2,14 @@
 and a SentencePiece tokenizer trained here on local text (no download). Sizes divide a
 (data=2, model=4) and a (data=1, model=8) mesh under the backbones' own layouts. And a tiny
 Llama checkpoint in the transformers format (what a Hugging Face repository holds, which
-keras-hub converts as it loads), written here with numpy and safetensors."""
+keras-hub converts as it loads), written here with numpy and safetensors. And the logits of a
+transformers-format model, as transformers (and peft) load it."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +150,20 @@ def write_transformers_llama(directory: Path, seed: int = 7) -> Path:
     tokens = {"bos_token": special[0], "eos_token": special[1]}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokens))
     return directory
+
+
+def transformers_logits(directory, x, adapter=None, dtype="float32") -> np.ndarray:
+    """The logits of the transformers-format model in `directory` (with the PEFT adapter
+    `adapter` on it), loaded as a user loads it, on CPU, with no network."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype))
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(x, dtype=torch.long)).logits
+    return logits.float().numpy()

@@ -26,6 +26,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from training.checkpoint.hf_export import hf_export_lines  # noqa: E402
 from training.checkpoint.inspection import newest_figures  # noqa: E402
 from training.config import (  # noqa: E402
     AUTO_STRATEGY,
@@ -90,18 +91,6 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         console.print(written, highlight=False, soft_wrap=True)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
-
-
-def hf_export_lines(hf_export: dict | None) -> list[str]:
-    """The transformers-format export's paths, and why any part was not written."""
-    if not hf_export:
-        return []
-    written = [
-        f"{label}: {hf_export[key]}"
-        for label, key in (("transformers", "model"), ("PEFT adapter", "adapter"))
-        if hf_export[key]
-    ]
-    return written + [f"not written: {why}" for why in hf_export["not_written"]]
 
 
 def chosen_strategy(cfg: RunConfig, console: Console):

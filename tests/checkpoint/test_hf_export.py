@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("keras_hub")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -22,6 +21,7 @@ import numpy as np  # noqa: E402
 from tests.conftest import run_config  # noqa: E402
 from tests.hub_presets import (  # noqa: E402
     SEQ_LEN,
+    transformers_logits,
     write_instructions,
     write_preset,
     write_transformers_llama,
@@ -54,22 +54,6 @@ def presets(tmp_path_factory):
 
 def tokens(vocabulary: int) -> np.ndarray:
     return np.random.default_rng(0).integers(4, vocabulary, size=(2, 12)).astype("int32")
-
-
-def transformers_logits(directory, x, adapter=None, dtype="float32") -> np.ndarray:
-    """The logits of the transformers-format model in `directory` (with the PEFT adapter
-    `adapter` on it), loaded as a user loads it, on CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype))
-    if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor(x, dtype=torch.long)).logits
-    return logits.float().numpy()
 
 
 def with_lora_moved(model, seed: int = 1):

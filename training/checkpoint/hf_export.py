@@ -118,6 +118,18 @@ def export_for_transformers(model, directory: str, base: str, merged: bool = Tru
     return written
 
 
+def hf_export_lines(hf_export: dict | None) -> list[str]:
+    """The transformers-format export's paths, and why any part was not written."""
+    if not hf_export:
+        return []
+    written = [
+        f"{label}: {hf_export[key]}"
+        for label, key in (("transformers", "model"), ("PEFT adapter", "adapter"))
+        if hf_export[key]
+    ]
+    return written + [f"not written: {why}" for why in hf_export["not_written"]]
+
+
 def _read_as(dtype: str):
     """A weight as a numpy array on every host (gathered where split over hosts), floats in
     `dtype`."""
