@@ -220,7 +220,8 @@ def test_lora_fine_tuning_of_a_preset_on_two_hosts_trains_only_lora_and_exports_
 
     capsys.readouterr()
     assert generate.main([exported, "the fox", "--max-length", "8"]) == 0
-    assert capsys.readouterr().out.startswith("the fox")
+    # Its last line: a Ray worker's log line forwarded meanwhile may come before it
+    assert capsys.readouterr().out.splitlines()[-1].startswith("the fox")
 
 
 # The plan of the tiny Llama under hybrid 2 × 4 against its compiled step.
