@@ -58,7 +58,7 @@ def export_checkpoint(
         return path, None
     beside = os.path.dirname(os.path.abspath(path))
     hf_export = export_for_transformers(
-        model, beside, base=cfg.model.preset, merged=not cfg.export.lora_only
+        model, beside, base=getattr(cfg.model, "preset", ""), merged=not cfg.export.lora_only
     )
     return path, hf_export
 

@@ -122,12 +122,13 @@ def train(
     if exported:
         with phase.during(EXPORTING):
             export_model(model, exported, cfg.export.max_shard_gb, cfg.export.lora_only)
-            hf_export = export_for_transformers(
-                model,
-                cfg.export.dir,
-                base=getattr(cfg.model, "preset", ""),
-                merged=not cfg.export.lora_only,
-            )
+            if writes_preset(model):
+                hf_export = export_for_transformers(
+                    model,
+                    cfg.export.dir,
+                    base=getattr(cfg.model, "preset", ""),
+                    merged=not cfg.export.lora_only,
+                )
     return {
         "final_loss": final_loss,
         "exported": exported,
