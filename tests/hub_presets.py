@@ -2,12 +2,14 @@
 and a SentencePiece tokenizer trained here on local text (no download). Sizes divide a
 (data=2, model=4) and a (data=1, model=8) mesh under the backbones' own layouts. And a tiny
 Llama checkpoint in the transformers format (what a Hugging Face repository holds, which
-keras-hub converts as it loads), written here with numpy and safetensors."""
+keras-hub converts as it loads), written here with numpy and safetensors. And the logits of a
+transformers-format model, as transformers (and peft) load it."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,8 @@ SPECIAL_PIECES = {
 SIZES = dict(num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64)
 
 
-def tokenizer_proto(family: str) -> bytes:
+def tokenizer_proto(family: str, **options) -> bytes:
+    """`options`: SentencePiece's trainer options beyond these."""
     import sentencepiece
 
     model = io.BytesIO()
@@ -43,33 +46,42 @@ def tokenizer_proto(family: str) -> bytes:
         minloglevel=2,
         **SPECIAL_PIECES[family],
         user_defined_symbols=["<start_of_turn>", "<end_of_turn>"] if family == "gemma" else [],
+        **options,
     )
     return model.getvalue()
 
 
-def causal_lm(family: str, with_tokenizer: bool = True):
+def causal_lm(family: str, with_tokenizer: bool = True, tokenizer_options=None, **sizes):
+    """`sizes` replace the tiny ones (`SIZES`) or add to them; `tokenizer_options` are
+    SentencePiece's trainer's."""
     import keras_hub
 
     m = keras_hub.models
+    proto = tokenizer_proto(family, **(tokenizer_options or {}))
     if family == "gemma":
-        tokenizer = m.GemmaTokenizer(proto=tokenizer_proto(family))
-        backbone = m.GemmaBackbone(vocabulary_size=64, intermediate_dim=128, head_dim=8, **SIZES)
+        tokenizer = m.GemmaTokenizer(proto=proto)
+        backbone = m.GemmaBackbone(
+            vocabulary_size=64, intermediate_dim=128, head_dim=8, **(SIZES | sizes)
+        )
         preprocessor = m.GemmaCausalLMPreprocessor(tokenizer, sequence_length=SEQ_LEN)
         task = m.GemmaCausalLM
     else:
-        tokenizer = m.LlamaTokenizer(proto=tokenizer_proto(family))
-        backbone = m.LlamaBackbone(vocabulary_size=64, intermediate_dim=128, **SIZES)
+        tokenizer = m.LlamaTokenizer(proto=proto)
+        backbone = m.LlamaBackbone(vocabulary_size=64, intermediate_dim=128, **(SIZES | sizes))
         preprocessor = m.LlamaCausalLMPreprocessor(tokenizer, sequence_length=SEQ_LEN)
         task = m.LlamaCausalLM
     return task(backbone=backbone, preprocessor=preprocessor if with_tokenizer else None)
 
 
-def write_preset(family: str, directory: Path, with_tokenizer: bool = True) -> Path:
+def write_preset(
+    family: str, directory: Path, with_tokenizer: bool = True, tokenizer_options=None, **sizes
+) -> Path:
     """A preset directory as `save_to_preset` writes it."""
     import keras
 
     keras.utils.set_random_seed(7)
-    causal_lm(family, with_tokenizer).save_to_preset(str(directory))
+    model = causal_lm(family, with_tokenizer, tokenizer_options, **sizes)
+    model.save_to_preset(str(directory))
     return directory
 
 
@@ -138,3 +150,20 @@ def write_transformers_llama(directory: Path, seed: int = 7) -> Path:
     tokens = {"bos_token": special[0], "eos_token": special[1]}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokens))
     return directory
+
+
+def transformers_logits(directory, x, adapter=None, dtype="float32") -> np.ndarray:
+    """The logits of the transformers-format model in `directory` (with the PEFT adapter
+    `adapter` on it), loaded as a user loads it, on CPU, with no network."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype))
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(x, dtype=torch.long)).logits
+    return logits.float().numpy()

@@ -6,7 +6,9 @@ The checkpoint's record holds the run's config and its data's spec, so the model
 again without the data; a model from your own file needs that file importable, as in the
 run (run this from the directory the run was started in). OUT defaults to
 CHECKPOINT_DIR/model.keras; for a keras-hub model (`model=hub`), to the preset directory
-CHECKPOINT_DIR/preset (or CHECKPOINT_DIR/model.lora.h5 with `export.lora_only`).
+CHECKPOINT_DIR/preset (or CHECKPOINT_DIR/model.lora.h5 with `export.lora_only`), and beside
+it, as a run writes them, `hf/` (the transformers format) and with LoRA `hf-adapter/` (a PEFT
+adapter) where transformers computes the model (`training.checkpoint.hf_export`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.console import Console  # noqa: E402
 
 from training.build import build_compiled  # noqa: E402
 from training.checkpoint.export import export_model, writes_preset  # noqa: E402
+from training.checkpoint.hf_export import export_for_transformers, hf_export_lines  # noqa: E402
 from training.checkpoint.inspection import newest_step, read_record  # noqa: E402
 from training.checkpoint.storage import CheckpointError, open_manager  # noqa: E402
 from training.config import (  # noqa: E402
@@ -37,8 +40,11 @@ from training.contracts import data_spec_from_dict  # noqa: E402
 from training.host.checkpoints import HostCheckpoints  # noqa: E402
 
 
-def export_checkpoint(directory: str, out: str | None = None, step: int | None = None) -> str:
-    """Export checkpoint `step` (default: the newest) of `directory` to `out`; its path."""
+def export_checkpoint(
+    directory: str, out: str | None = None, step: int | None = None
+) -> tuple[str, dict | None]:
+    """Export checkpoint `step` (default: the newest) of `directory` to `out`: its path, and
+    for a keras-hub model what `export_for_transformers` wrote beside it (None for another)."""
     if not out and url_scheme(directory):
         raise CheckpointError(
             f"{directory} is a bucket URL, and Keras writes to files: give OUT, a local path"
@@ -47,7 +53,14 @@ def export_checkpoint(directory: str, out: str | None = None, step: int | None =
     if not out:
         export = replace(cfg.export, enabled=True, dir=cfg.checkpoint.dir)
         out = export.path(keras_hub=writes_preset(model))
-    return export_model(model, out, cfg.export.max_shard_gb, cfg.export.lora_only)
+    path = export_model(model, out, cfg.export.max_shard_gb, cfg.export.lora_only)
+    if not writes_preset(model):
+        return path, None
+    beside = os.path.dirname(os.path.abspath(path))
+    hf_export = export_for_transformers(
+        model, beside, base=getattr(cfg.model, "preset", ""), merged=not cfg.export.lora_only
+    )
+    return path, hf_export
 
 
 def restored_model(directory: str, step: int | None = None):
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m training.export",
         description="Write a saved checkpoint as a run exports at its end: model.keras, or a "
-        "keras-hub model's preset directory.",
+        "keras-hub model's preset directory with hf/ (and hf-adapter/) beside it.",
     )
     parser.add_argument("checkpoint_dir", help="a run's checkpoint.dir (a path or a bucket URL)")
     parser.add_argument(
@@ -91,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
     try:
-        path = export_checkpoint(args.checkpoint_dir, args.out, args.step)
+        path, hf_export = export_checkpoint(args.checkpoint_dir, args.out, args.step)
     except (CheckpointError, ConfigError) as error:
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {error}")
         return 2
     console.print(f"model: {path}")
+    for line in hf_export_lines(hf_export):
+        console.print(line)
     return 0
 
 

@@ -331,3 +331,56 @@ def preset_backbone(preset: str) -> tuple[type, dict]:
     if len(inspect.signature(convert).parameters) == 1:
         return cls, convert(loader.config)
     return cls, convert(loader.config, cls)
+
+
+@contextmanager
+def transformers_exporter(read, backbones: dict, tokenizers: dict):
+    """While inside (process-wide), keras-hub's transformers exporter (`export_to_transformers`)
+    reads each weight it writes as `read(array)` gives it (it converts them to numpy itself,
+    with no hook for another reader), and exports the backbone classes of `backbones` (name
+    -> (its config.json as a dict, its weights by transformers name), as keras-hub's own) and
+    the tokenizer classes of `tokenizers` (name -> its tokenizer_config.json as a dict) beside
+    those its registry holds."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    registries = (
+        hf_exporter.MODEL_CONFIGS,
+        hf_exporter.MODEL_EXPORTERS,
+        hf_exporter.MODEL_TOKENIZER_CONFIGS,
+    )
+    added = (
+        {name: config for name, (config, _) in backbones.items()},
+        {name: weights for name, (_, weights) in backbones.items()},
+        tokenizers,
+    )
+    original = hf_exporter._to_numpy_dict
+
+    def to_numpy(weights: dict) -> dict:
+        return {
+            key: read(value.value if hasattr(value, "value") else value)
+            for key, value in weights.items()
+        }
+
+    for registry, more in zip(registries, added, strict=True):
+        registry.update({name: entry for name, entry in more.items() if name not in registry})
+    hf_exporter._to_numpy_dict = to_numpy
+    try:
+        yield
+    finally:
+        hf_exporter._to_numpy_dict = original
+        for registry, more in zip(registries, added, strict=True):
+            for name, entry in more.items():
+                if registry.get(name) is entry:
+                    del registry[name]
+
+
+def transformers_exports() -> dict:
+    """keras-hub's own transformers exports: backbone class name -> (its config.json as a
+    dict, its weights by transformers name)."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    return {
+        name: (config, hf_exporter.MODEL_EXPORTERS[name])
+        for name, config in hf_exporter.MODEL_CONFIGS.items()
+        if name in hf_exporter.MODEL_EXPORTERS
+    }

@@ -26,6 +26,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from training.checkpoint.hf_export import hf_export_lines  # noqa: E402
 from training.checkpoint.inspection import newest_figures  # noqa: E402
 from training.config import (  # noqa: E402
     AUTO_STRATEGY,
@@ -89,6 +90,8 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
     print_summary(summary, console)
     if summary.get("exported_model"):
         console.print(f"model: {summary['exported_model']}", highlight=False, soft_wrap=True)
+    for written in hf_export_lines(summary.get("hf_export")):
+        console.print(written, highlight=False, soft_wrap=True)
     console.print(f"summary: {output_dir / 'summary.json'}", highlight=False, soft_wrap=True)
     return summary
 

@@ -134,7 +134,7 @@ def test_lora_fine_tuning_of_a_preset_on_two_hosts_trains_only_lora_and_exports_
     import keras_hub
 
     from tests.conftest import run_config
-    from tests.hub_presets import write_instructions, write_preset
+    from tests.hub_presets import transformers_logits, write_instructions, write_preset
     from training import generate
     from training.data import build_dataset
     from training.export import export_checkpoint, restored_model
@@ -203,15 +203,25 @@ def test_lora_fine_tuning_of_a_preset_on_two_hosts_trains_only_lora_and_exports_
     x, _, _ = dataset.batch("held_out", 0, 4, slice(0, 4))
     np.testing.assert_allclose(plain(x), trained(x), rtol=1e-4, atol=1e-5)
     assert not np.allclose(pretrained(x), trained(x), atol=1e-3)
-    # training.export writes the same preset from the checkpoint, without a cluster.
-    from_checkpoint = export_checkpoint(str(tmp_path / "ckpt"))
+    # The 2 hosts wrote hf/ too (each weight whole from host 0): transformers' logits.
+    ids = np.asarray(x["token_ids"])
+    hf = summary["hf_export"]
+    assert hf["model"] == str(tmp_path / "run" / "hf") and hf["adapter"]
+    plain_logits = plain({"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    np.testing.assert_allclose(transformers_logits(hf["model"], ids), plain_logits, atol=1e-4)
+    # training.export writes the same preset from the checkpoint, without a cluster, and
+    # hf/ beside it.
+    from_checkpoint, hf = export_checkpoint(str(tmp_path / "ckpt"))
     assert from_checkpoint == str(tmp_path / "ckpt" / "preset")
     again = keras_hub.models.CausalLM.from_preset(from_checkpoint)
     np.testing.assert_allclose(again(x), plain(x), rtol=1e-5, atol=1e-6)
+    assert hf["model"] == str(tmp_path / "ckpt" / "hf")
+    np.testing.assert_allclose(transformers_logits(hf["model"], ids), plain_logits, atol=1e-4)
 
     capsys.readouterr()
     assert generate.main([exported, "the fox", "--max-length", "8"]) == 0
-    assert capsys.readouterr().out.startswith("the fox")
+    # Its last line: a Ray worker's log line forwarded meanwhile may come before it
+    assert capsys.readouterr().out.splitlines()[-1].startswith("the fox")
 
 
 # The plan of the tiny Llama under hybrid 2 × 4 against its compiled step.

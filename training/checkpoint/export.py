@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 
 from training import keras_compat
 
@@ -48,6 +49,25 @@ def export_model(
     (`model.weights.json`, for `model.load_weights`). A keras-hub model: a preset directory
     (LoRA merged into the kernels; weights sharded above `max_shard_gb`, keras-hub's 10 GB
     by default), or with `lora_only` its LoRA weights alone (a `.lora.h5` file)."""
+    with written_from_host_0(path) as staged, keras_compat.saving_reads_with(gathered):
+        if writes_preset(model) and lora_only:
+            model.save_lora_weights(staged)
+        elif writes_preset(model):
+            model.save_to_preset(staged, max_shard_size=max_shard_gb or 10)
+        elif max_shard_gb:
+            os.makedirs(staged)
+            model.save_weights(os.path.join(staged, SHARDED_WEIGHTS), max_shard_size=max_shard_gb)
+            with open(os.path.join(staged, SHARDED_ARCHITECTURE), "w") as file:
+                file.write(model.to_json())
+        else:
+            model.save(staged)
+    return path
+
+
+@contextmanager
+def written_from_host_0(path: str):
+    """A staging path to write `path` at (every host writes; host 0's copy is moved into
+    place, the others' are dropped), in a temporary directory beside `path` on host 0."""
     import jax
 
     writer = jax.process_index() == 0
@@ -57,25 +77,11 @@ def export_model(
     staging = tempfile.mkdtemp(prefix=".export-", dir=directory if writer else None)
     try:
         staged = os.path.join(staging, os.path.basename(path))
-        with keras_compat.saving_reads_with(gathered):
-            if writes_preset(model) and lora_only:
-                model.save_lora_weights(staged)
-            elif writes_preset(model):
-                model.save_to_preset(staged, max_shard_size=max_shard_gb or 10)
-            elif max_shard_gb:
-                os.makedirs(staged)
-                model.save_weights(
-                    os.path.join(staged, SHARDED_WEIGHTS), max_shard_size=max_shard_gb
-                )
-                with open(os.path.join(staged, SHARDED_ARCHITECTURE), "w") as file:
-                    file.write(model.to_json())
-            else:
-                model.save(staged)
+        yield staged
         if writer:
             _replace(staged, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return path
 
 
 SHARDED_WEIGHTS, SHARDED_ARCHITECTURE = "model.weights.json", "model.json"

@@ -37,7 +37,13 @@ from training.config.data import (
     TextDataConfig,
     TokenDataConfig,
 )
-from training.config.export import EXPORT_FILE, PRESET_EXPORT, ExportConfig
+from training.config.export import (
+    EXPORT_FILE,
+    HF_ADAPTER_EXPORT,
+    HF_EXPORT,
+    PRESET_EXPORT,
+    ExportConfig,
+)
 from training.config.fault import FaultConfig
 from training.config.model import HubModelConfig, ModelConfig
 from training.config.optimizer import (
@@ -84,6 +90,8 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EXPORT_FILE",
+    "HF_ADAPTER_EXPORT",
+    "HF_EXPORT",
     "ExportConfig",
     "FaultConfig",
     "HubModelConfig",

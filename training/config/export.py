@@ -14,6 +14,8 @@ EXPORT_FILE = "model.keras"
 SHARDED_EXPORT = "model"  # a directory: model.json, model.weights.json and its shards
 PRESET_EXPORT = "preset"  # a keras-hub model's: a preset directory
 LORA_EXPORT = "model.lora.h5"  # its LoRA weights alone (keras-hub's save_lora_weights)
+# Beside a keras-hub model's export: the transformers format, and its LoRA as a PEFT adapter
+HF_EXPORT, HF_ADAPTER_EXPORT = "hf", "hf-adapter"
 
 
 @dataclass

@@ -133,6 +133,10 @@ def build_summary(
         built.update(_layout_summary(results[0]))
         # The trained model in Keras' format (training.checkpoint.export), where written.
         built["exported_model"] = results[0]["exported"]
+        # A keras-hub model in the transformers format and its LoRA as a PEFT adapter
+        # (training.checkpoint.hf_export): their paths, and why either was not written;
+        # None for another model.
+        built["hf_export"] = results[0]["hf_export"]
         built["early_stopping"] = results[0]["early_stopping"]
         # This run's best checkpoint by checkpoint.keep_best, [step, figure], kept by orbax.
         built["best_checkpoint"] = results[0]["best_checkpoint"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from training.build import build_on_grid, count_parameters, describe_variables
 from training.checkpoint.export import export_model, writes_preset
+from training.checkpoint.hf_export import export_for_transformers
 from training.config import RunConfig, TrainerConfig
 from training.device_memory import (
     check_step_fits,
@@ -120,12 +121,21 @@ def train(
     if checkpoints:
         checkpoints.close()
     exported = cfg.export.path(keras_hub=writes_preset(model))
+    hf_export = None
     if exported:
         with phase.during(EXPORTING):
             export_model(model, exported, cfg.export.max_shard_gb, cfg.export.lora_only)
+            if writes_preset(model):
+                hf_export = export_for_transformers(
+                    model,
+                    cfg.export.dir,
+                    base=getattr(cfg.model, "preset", ""),
+                    merged=not cfg.export.lora_only,
+                )
     return {
         "final_loss": final_loss,
         "exported": exported,
+        "hf_export": hf_export,
         "early_stopping": guard.early_stopping.summary() if guard.early_stopping else None,
         "best_checkpoint": checkpoints.best if checkpoints else None,
         "resumed_from_step": start,
