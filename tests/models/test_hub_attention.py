@@ -12,7 +12,8 @@ from tests.models.test_attention import compiled_on_a_tpu
 from training.models import hub, hub_attention
 
 SEQ, BATCH, VOCABULARY = 128, 2, 64
-REAL = 100  # the second example's real tokens; the rest is padding
+PADDED = 28  # the second example's first tokens are padding (on the left, so that a causal
+# mask alone would let its real tokens see them)
 GQA = dict(num_query_heads=4, num_key_value_heads=2, hidden_dim=64, intermediate_dim=64)
 FAMILIES = {
     "llama": ("LlamaBackbone", GQA),
@@ -21,14 +22,14 @@ FAMILIES = {
     "mistral": ("MistralBackbone", {**GQA, "sliding_window": 48}),
     "qwen": ("QwenBackbone", GQA),
     "qwen3": ("Qwen3Backbone", {**GQA, "head_dim": 16}),
-    # Soft-capped logits; the scale 1/√(hidden / heads), not 1/√head_dim; a sliding window.
+    # Soft-capped logits, a sliding window. (keras-hub 0.32's Gemma decoder gives its
+    # attention query_head_dim_normalize=True whatever the backbone's.)
     "gemma": (
         "GemmaBackbone",
         {
             **GQA,
             "head_dim": 8,
-            "attention_logit_soft_cap": 0.5,
-            "query_head_dim_normalize": False,
+            "attention_logit_soft_cap": 2.0,
             "use_sliding_window_attention": True,
             "sliding_window_size": 80,
         },
@@ -50,7 +51,7 @@ def batch():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCABULARY, (BATCH, SEQ + 1)).astype("int32")
     padding = np.ones((BATCH, SEQ), "int32")
-    padding[1, REAL:] = 0
+    padding[1, :PADDED] = 0
     inputs = {"token_ids": tokens[:, :-1], "padding_mask": padding}
     return inputs, tokens[:, 1:], padding.astype("float32")
 
@@ -87,3 +88,29 @@ def test_on_a_tpu_the_compiled_step_holds_the_kernel_and_not_the_scores():
     step = compiled_on_a_tpu("hub")
     assert step["tpu_custom_calls"] > 0
     assert step["scores"] == [], step["scores"]
+
+
+def test_an_exported_preset_is_keras_hubs_own_and_computes_the_same(tmp_path):
+    import keras_hub
+
+    model = tiny_task("llama")
+    hub_attention.install(model.task, "fused")
+    model.save_to_preset(str(tmp_path))
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path))
+    assert type(loaded) is type(model.task)
+    inputs, _, real = batch()
+    # Equal where the tokens are real (at padding the fused kernel attends other padding).
+    got, want = model.task(inputs), loaded(inputs)
+    np.testing.assert_allclose(got * real[..., None], want * real[..., None], atol=2e-6)
+
+
+def test_cached_generation_keeps_keras_hubs_attention():
+    """One token against a cache of the sequence: keras-hub's own attention, not the kernel."""
+    model = tiny_task("llama")
+    hub_attention.install(model.task, "fused")
+    backbone = model.task.backbone
+    heads = GQA["hidden_dim"] // GQA["num_query_heads"]
+    cache = np.zeros((BATCH, 2, 2, SEQ, GQA["num_key_value_heads"], heads), "float32")
+    token = np.zeros((BATCH, 1), "int32")
+    traced = jax.make_jaxpr(lambda c: model.task.call_with_cache(token, c, 0))(cache)
+    assert backbone.num_layers == 2 and "pallas_call" not in str(traced)

@@ -4,7 +4,8 @@ attention left to choose its kernel), and what its HLO holds. The model: `transf
 built-in) or `hub` (a keras-hub Llama with grouped-query attention and LoRA), the first
 argument; further arguments are overrides. Prints one JSON line: the platform, the number
 of Pallas TPU custom calls, and the HLO's floating-point arrays shaped as attention scores
-(batch, heads..., seq, seq). (Not conftest.py's config helper: importing it keeps JAX to the CPU.)"""
+(batch, heads..., seq, seq). (Not conftest.py's config helper: importing it keeps JAX to the
+CPU.)"""
 
 import json
 import os

@@ -1,5 +1,8 @@
 """Causal self-attention of (batch, seq, heads, head_dim) query, key and value, through the
-fused kernel of the platform the layer runs on.
+fused kernel of the platform the layer runs on: the transformer's (`causal_attention`), and
+keras-hub's models' (`fused_attention`, from training/models/hub_attention.py: their own
+logit scale, soft cap and sliding window, fewer key/value heads than query heads, segment
+ids for padding).
 
 - TPU: JAX's Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
   which never holds the (batch, heads, seq, seq) scores, forward or backward.
