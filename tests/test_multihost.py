@@ -272,6 +272,7 @@ TRANSFORMER = [
     "model=transformer",
     "data=text",
     "model.kwargs.d_model=64",
+    "model.kwargs.heads=8",
     "model.kwargs.d_ff=256",
     "model.seq_len=64",
     "trainer.log_interval=1",

@@ -384,3 +384,99 @@ def transformers_exports() -> dict:
         for name, config in hf_exporter.MODEL_CONFIGS.items()
         if name in hf_exporter.MODEL_EXPORTERS
     }
+# -- keras-hub's attention layers ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubAttention:
+    """What a keras-hub attention layer's `_compute_attention(query, key, value,
+    attention_mask, ...)` computes, read from the layer: attention of query (batch, seq,
+    heads, head_dim) under the mask it is given (causal and the padding) with key and value
+    of `kv_heads` heads, which arrive repeated to one per query head where `repeated`; the
+    logits scaled by `scale`, soft-capped by `soft_cap` where given, each query seeing only
+    the last `window` keys where given; `weights_dropout` the dropout rate of the attention
+    weights inside it (training)."""
+
+    kv_heads: int
+    repeated: bool
+    scale: float
+    soft_cap: float | None = None
+    window: int | None = None
+    weights_dropout: float = 0.0
+
+
+def _llama(layer) -> HubAttention:
+    # Dropout is applied to the attention's output, after `_compute_attention`.
+    return HubAttention(layer.num_key_value_heads, True, layer._inv_norm_factor)
+
+
+def _mistral(layer) -> HubAttention:
+    # The sliding window is in the mask the decoder builds; the kernel needs it too.
+    return HubAttention(
+        layer._num_key_value_heads, True, layer._inv_norm_factor, window=layer._sliding_window
+    )
+
+
+def _qwen(layer) -> HubAttention:
+    window = layer.sliding_window_size if layer.use_sliding_window_attention else None
+    return HubAttention(layer.num_key_value_heads, True, layer._inv_norm_factor, window=window)
+
+
+def _qwen3(layer) -> HubAttention:
+    window = layer.sliding_window_size or None
+    return HubAttention(layer.num_key_value_heads, True, layer._inv_norm_factor, window=window)
+
+
+def _gemma(layer) -> HubAttention:
+    # Gemma's `query_head_dim_normalize` (transformers' query_pre_attn_scalar = head_dim):
+    # 1/√head_dim, else 1/√(hidden_dim / heads).
+    if layer.query_head_dim_normalize:
+        normalizer = layer.head_dim
+    else:
+        normalizer = layer.hidden_dim // layer.num_query_heads
+    return HubAttention(
+        layer.num_key_value_heads,
+        False,
+        normalizer**-0.5,
+        soft_cap=layer.logit_soft_cap,
+        window=layer.sliding_window_size if layer.use_sliding_window_attention else None,
+        weights_dropout=layer.dropout,
+    )
+
+
+# keras-hub 0.32's attention layers whose `_compute_attention` is read above (from their
+# source: keras_hub/src/models/{llama,mistral,qwen,qwen3,gemma}/*_attention.py). Llama3's
+# backbone is Llama's.
+HUB_ATTENTION_READERS = {
+    "LlamaAttention": _llama,
+    "CachedMistralAttention": _mistral,
+    "QwenAttention": _qwen,
+    "Qwen3Attention": _qwen3,
+    "CachedGemmaAttention": _gemma,
+}
+
+
+def computes_attention(layer) -> bool:
+    """A keras-hub attention layer: it has a `_compute_attention` (known to us or not)."""
+    return callable(getattr(layer, "_compute_attention", None))
+
+
+def hub_attention(layer) -> HubAttention | None:
+    """What `layer`'s `_compute_attention` computes, for the keras-hub attention layers known
+    here (`HUB_ATTENTION_READERS`), read after the layer is built; None for any other layer."""
+    read = HUB_ATTENTION_READERS.get(type(layer).__name__)
+    return None if read is None else read(layer)
+
+
+def replace_compute_attention(layer, wrap) -> None:
+    """`layer`'s `_compute_attention` replaced by `wrap(its own)`, on the instance: the class,
+    its config and so an exported preset are keras-hub's own."""
+    layer._compute_attention = wrap(layer._compute_attention)
+
+
+def in_symbolic_call() -> bool:
+    """Whether Keras is calling a layer to infer its output's shape (its JAX backend stands
+    in 83 or 89 for an unknown dimension), not to compute."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()

@@ -59,20 +59,29 @@ ACCELERATOR_COMMON = [
     "trainer.compile_cache_dir=off",
     "export.enabled=false",
 ]
+TINYLLAMA_LORA = [
+    "model=hub",
+    "model.backbone=LlamaBackbone",
+    "model.lora_rank=8",
+    "model.kwargs.vocabulary_size=32000",
+    "model.kwargs.num_layers=22",
+    "model.kwargs.num_query_heads=32",
+    "model.kwargs.num_key_value_heads=4",
+    "model.kwargs.hidden_dim=2048",
+    "model.kwargs.intermediate_dim=5632",
+]
 ACCELERATOR_TRANSFORMER = ["model=transformer", "model.seq_len=1024", "trainer.global_batch=16"]
 WORKLOADS = {
     "transformer-86M": [
         *ACCELERATOR_TRANSFORMER,
         "model.kwargs.layers=12",
-        "model.kwargs.d_model=768",
-        "model.kwargs.heads=12",
+        "model.kwargs.d_model=768",  # 6 heads of 128 (the default head size)
         "model.kwargs.d_ff=3072",
     ],
     "transformer-302M": [
         *ACCELERATOR_TRANSFORMER,
         "model.kwargs.layers=24",
-        "model.kwargs.d_model=1024",
-        "model.kwargs.heads=16",
+        "model.kwargs.d_model=1024",  # 8 heads of 128
         "model.kwargs.d_ff=4096",
     ],
     # A check of the accelerator benchmarks on CPU, in seconds.
@@ -82,22 +91,12 @@ WORKLOADS = {
         "trainer.global_batch=8",
         "model.kwargs.layers=2",
     ],
-    "llama-lora": [
-        "model=hub",
-        "model.backbone=LlamaBackbone",
-        "model.seq_len=512",
-        "trainer.global_batch=4",
-        "model.lora_rank=8",
-        # TinyLlama-1.1B's shape
-        "model.kwargs.vocabulary_size=32000",
-        "model.kwargs.num_layers=22",
-        "model.kwargs.num_query_heads=32",
-        "model.kwargs.num_key_value_heads=4",
-        "model.kwargs.hidden_dim=2048",
-        "model.kwargs.intermediate_dim=5632",
-    ],
+    # A keras-hub Llama of TinyLlama-1.1B's shape, LoRA of rank 8, at three context lengths.
+    "llama-lora": [*TINYLLAMA_LORA, "model.seq_len=512", "trainer.global_batch=4"],
+    "llama-lora-2048": [*TINYLLAMA_LORA, "model.seq_len=2048", "trainer.global_batch=2"],
+    "llama-lora-4096": [*TINYLLAMA_LORA, "model.seq_len=4096", "trainer.global_batch=1"],
 }
-VOCABULARY = {"llama-lora": 32000}  # the others: 256, bytes
+VOCABULARY = {name: 32000 for name in WORKLOADS if name.startswith("llama")}  # others: 256
 # On the synthetic arrays instead of tokens (plan_memory --accelerator): a wide MLP of 135 M
 # parameters.
 ARRAY_WORKLOADS = {

@@ -122,13 +122,15 @@ def test_the_kernel_trains_as_the_einsum_path_does():
     assert fused[-1].held_out["loss"] == pytest.approx(einsum[-1].held_out["loss"], rel=1e-5)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs a TPU")
-def test_on_a_tpu_the_compiled_step_holds_the_kernel_and_not_the_scores():
+def compiled_on_a_tpu(model: str) -> dict:
+    """tpu_attention_step's report of `model`'s compiled step; skips without a TPU."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs a TPU")
     # The tests' own process keeps to the CPU (conftest.py): the step compiles in another,
     # without the CPU's platform and flags.
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     found = subprocess.run(
-        [sys.executable, "-m", "tests.models.tpu_attention_step"],
+        [sys.executable, "-m", "tests.models.tpu_attention_step", model],
         env=env,
         capture_output=True,
         text=True,
@@ -137,5 +139,10 @@ def test_on_a_tpu_the_compiled_step_holds_the_kernel_and_not_the_scores():
     step = json.loads(found.stdout.splitlines()[-1])
     if step["platform"] != "tpu":
         pytest.skip(f"libtpu is installed but JAX found no TPU ({step['platform']})")
+    return step
+
+
+def test_on_a_tpu_the_compiled_step_holds_the_kernel_and_not_the_scores():
+    step = compiled_on_a_tpu("transformer")
     assert step["tpu_custom_calls"] > 0
     assert step["scores"] == [], step["scores"]

@@ -98,7 +98,7 @@ def test_backbone_without_its_own_layout_asks_for_rules():
 def test_hub_config_composes():
     model = OmegaConf.to_object(compose_config(["model=hub"]).model)
     assert isinstance(model, HubModelConfig)
-    no_lora = {"lora_rank": 0, "lora_targets": []}
+    no_lora = {"lora_rank": 0, "lora_targets": [], "attention": "auto"}
     assert model.build_kwargs() == {"backbone": "LlamaBackbone", **TINY_LLAMA, **no_lora}
     assert model.layout_kwargs() == {"backbone": "LlamaBackbone", **TINY_LLAMA}
     with_preset = OmegaConf.to_object(
@@ -106,6 +106,8 @@ def test_hub_config_composes():
     )
     # The preset's backbone and sizes, not the yaml's random-weights Llama.
     assert with_preset.build_kwargs() == {"preset": "/presets/gemma", **no_lora}
+    with pytest.raises(ConfigError, match="model.attention=.flash. is not one of auto, fused"):
+        OmegaConf.to_object(compose_config(["model=hub", "model.attention=flash"]).model)
 
 
 def test_token_windows_are_fed_with_an_all_ones_padding_mask():

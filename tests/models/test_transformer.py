@@ -19,6 +19,8 @@ from training.parallel.mesh import MeshShape, build_distribution, device_grid
 from training.parallel.strategy import Strategy
 
 TEXT = ["model=transformer", "data=text"]
+# The default's 128 values in one head of 128 cannot be split over 4 devices by heads.
+SPLIT_BY_HEADS = TEXT + ["model.kwargs.heads=8"]
 # A transformer small enough to train a few steps in seconds.
 TINY = TEXT + [
     "model.kwargs.layers=1",
@@ -59,7 +61,9 @@ def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> li
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_large_variable_is_split_over_the_model_axis(tied):
-    model = build_under("hybrid", MeshShape(2, 4), TEXT + [f"model.kwargs.tie_embeddings={tied}"])
+    model = build_under(
+        "hybrid", MeshShape(2, 4), SPLIT_BY_HEADS + [f"model.kwargs.tie_embeddings={tied}"]
+    )
     variables = describe_variables(model.variables)
     total = sum(v["bytes"] for v in variables.values())
     per_device = sum(v["shard_bytes"] for v in variables.values())
@@ -74,10 +78,24 @@ def test_every_large_variable_is_split_over_the_model_axis(tied):
 
 
 def test_the_layout_gives_every_device_whole_attention_heads():
-    model = build_under("hybrid", MeshShape(2, 4), TEXT)
+    model = build_under("hybrid", MeshShape(2, 4), SPLIT_BY_HEADS)
     qkv = model.get_layer("block_0_attention").qkv.kernel.value
     assert qkv.shape == (128, 3, 8, 16)
     assert qkv.addressable_shards[0].data.shape == (128, 3, 2, 16)
+
+
+def test_heads_are_128_wide_unless_their_number_is_given():
+    """The default (conf/model/transformer.yaml) as composed: heads of 128 values; given
+    heads, as many heads; the parameters the same either way."""
+    wide = build_under("data_parallel", MeshShape(8, 1), TEXT + ["model.kwargs.d_model=256"])
+    attention = wide.get_layer("block_0_attention")
+    assert (attention.heads, attention.head_dim) == (2, 128)
+    narrow = build_under("data_parallel", MeshShape(8, 1), SPLIT_BY_HEADS)
+    assert narrow.get_layer("block_0_attention").head_dim == 16
+    default = build_under("data_parallel", MeshShape(8, 1), TEXT)
+    assert default.count_params() == narrow.count_params()
+    with pytest.raises(ValueError, match="d_model=96 is not a multiple of head_dim=128"):
+        build_under("data_parallel", MeshShape(8, 1), TEXT + ["model.kwargs.d_model=96"])
 
 
 def test_gradient_accumulation_learns_what_the_whole_batch_does():
@@ -130,7 +148,9 @@ def test_bfloat16_variables_hold_the_weights_and_optimizer_state_in_bfloat16_and
 
 def test_training_on_text_beats_the_unigram_baseline_within_the_default_steps():
     """The default transformer and text, the default 100 steps, batches of 16 sequences."""
-    reports = train_in_process("hybrid", MeshShape(2, 4), TEXT + ["trainer.global_batch=16"])
+    reports = train_in_process(
+        "hybrid", MeshShape(2, 4), SPLIT_BY_HEADS + ["trainer.global_batch=16"]
+    )
     baseline = build_dataset(run_config(TEXT).data).spec.baseline_loss
     evaluated = [r.held_out["loss"] for r in reports if r.held_out is not None]
     assert len(evaluated) == 2  # at step 50 and at the end

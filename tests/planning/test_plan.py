@@ -19,7 +19,7 @@ from training.planning.costs import abstract_model, strategy_cost
 
 # The transformer's configurations are the memory cases' (MEMORY, below): one compiled step
 # (plan_and_step's cache) serves both tests.
-TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16"]
+TRANSFORMER = ["model=transformer", "data=text", "trainer.global_batch=16", "model.kwargs.heads=8"]
 CASES = {
     "transformer-data_parallel": ("data_parallel", MeshShape(8, 1), TRANSFORMER),
     "transformer-hybrid": ("hybrid", MeshShape(2, 4), TRANSFORMER),

@@ -12,6 +12,8 @@ from training.config.common import names_object, require
 from training.config.strategy import checked_layout_rules
 
 WEIGHT_FILES = (".keras", ".weights.h5", ".weights.json")
+# model=hub's model.attention (training/models/hub_attention.py's IMPLEMENTATIONS).
+HUB_ATTENTION = ("auto", "fused", "keras_hub")
 
 
 @dataclass
@@ -148,6 +150,10 @@ class HubModelConfig(ModelConfig):
     # The layers given LoRA, by name; empty: keras-hub's default (the attention's query and
     # value projections).
     lora_targets: List[str] = field(default_factory=list)
+    # The attention's kernel (training/models/hub_attention.py): auto (the platform's fused
+    # kernel where it takes the call, else keras-hub's own attention), fused (the kernel or
+    # an error saying why not), keras_hub (keras-hub's own attention).
+    attention: str = "auto"
     build: str = "training.models.hub:causal_lm"
     loss: str = "training.models.hub:loss"
     layout: str = "training.models.hub:layout_map"
@@ -167,10 +173,14 @@ class HubModelConfig(ModelConfig):
             self.lora_rank or not self.lora_targets,
             "model.lora_targets needs model.lora_rank (the rank of the LoRA matrices)",
         )
+        require(
+            self.attention in HUB_ATTENTION,
+            f"model.attention={self.attention!r} is not one of {', '.join(HUB_ATTENTION)}",
+        )
 
     def build_kwargs(self) -> dict[str, Any]:
         lora = {"lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets)}
-        return {**self.layout_kwargs(), **lora}
+        return {**self.layout_kwargs(), **lora, "attention": self.attention}
 
     def layout_kwargs(self) -> dict[str, Any]:
         if self.preset:

@@ -1,5 +1,8 @@
 """Causal self-attention of (batch, seq, heads, head_dim) query, key and value, through the
-fused kernel of the platform the layer runs on.
+fused kernel of the platform the layer runs on: the transformer's (`causal_attention`), and
+keras-hub's models' (`fused_attention`, from training/models/hub_attention.py: their own
+logit scale, soft cap and sliding window, fewer key/value heads than query heads, segment
+ids for padding).
 
 - TPU: JAX's Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
   which never holds the (batch, heads, seq, seq) scores, forward or backward.
@@ -53,10 +56,29 @@ class Choice:
     interpret: bool = False  # the Pallas kernel run by JAX's interpreter (CPU)
 
 
-def choose(implementation: str, platform: str, dtype: str, seq: int, head_dim: int) -> Choice:
+@dataclass(frozen=True)
+class Logits:
+    """How a model forms its attention logits: q·k scaled by `scale`, capped by
+    `soft_cap` · tanh(logits / soft_cap) where given; each query sees the keys before it and
+    itself, only the last `window` of them where given."""
+
+    scale: float
+    soft_cap: float | None = None
+    window: int | None = None
+
+
+def choose(
+    implementation: str,
+    platform: str,
+    dtype: str,
+    seq: int,
+    head_dim: int,
+    soft_cap: bool = False,
+) -> Choice:
     """Which kernel computes attention on `platform` for inputs of `dtype`: `einsum` always the
     einsum path; `auto` the platform's fused kernel where it takes the inputs, else the einsum
-    path; `fused` the fused kernel or a ValueError saying why not."""
+    path; `fused` the fused kernel or a ValueError saying why not. `soft_cap`: the logits are
+    soft-capped."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention={implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if implementation == "einsum":
@@ -66,7 +88,7 @@ def choose(implementation: str, platform: str, dtype: str, seq: int, head_dim: i
     if platform in ("tpu", "cpu"):
         fused = _splash_or_why_not(seq, interpret=platform == "cpu")
     elif platform == "gpu":
-        fused = _cudnn_or_why_not(dtype, head_dim)
+        fused = _cudnn_or_why_not(dtype, head_dim, soft_cap)
     else:
         fused = Choice("einsum", f"no fused attention kernel on {platform}")
     if fused.kernel == "einsum" and implementation == "fused":
@@ -82,7 +104,7 @@ def _splash_or_why_not(seq: int, interpret: bool) -> Choice:
     return Choice("splash", interpret=interpret)
 
 
-def _cudnn_or_why_not(dtype: str, head_dim: int) -> Choice:
+def _cudnn_or_why_not(dtype: str, head_dim: int, soft_cap: bool) -> Choice:
     if dtype not in CUDNN_DTYPES:
         return Choice("einsum", f"cuDNN's fused attention takes bfloat16 or float16, not {dtype}")
     if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
@@ -91,6 +113,8 @@ def _cudnn_or_why_not(dtype: str, head_dim: int) -> Choice:
             f"cuDNN's fused attention takes a head size of at most {CUDNN_MAX_HEAD_DIM} and a "
             f"multiple of 8, not {head_dim}",
         )
+    if soft_cap:
+        return Choice("einsum", "cuDNN's fused attention does not soft-cap the logits")
     return Choice("cudnn")
 
 
@@ -103,9 +127,20 @@ def causal_attention(query, key, value, implementation: str = "auto"):
         if implementation == "auto" and on != "cpu":
             warnings.warn(f"attention runs the einsum path: {choice.reason}", stacklevel=2)
         return einsum_attention(query, key, value)
+    return fused_attention(choice, query, key, value, Logits(head_dim**-0.5))
+
+
+def fused_attention(choice: Choice, query, key, value, logits: Logits, segments=None):
+    """Causal attention through the fused kernel `choice` names, on each device's rows and
+    heads: query (batch, seq, heads, head_dim); key and value (batch, seq, kv_heads,
+    head_dim), kv_heads dividing heads (grouped-query attention, each key and value head
+    read by heads / kv_heads query heads in turn, never repeated); `segments` (batch, seq)
+    integers or None: a query sees only keys of its own segment (padding, packed examples)."""
     if choice.kernel == "cudnn":
-        return on_each_device(cudnn_attention, query, key, value)
-    return on_each_device(partial(splash_attention, interpret=choice.interpret), query, key, value)
+        kernel = partial(cudnn_attention, logits=logits)
+    else:
+        kernel = partial(splash_attention, logits=logits, interpret=choice.interpret)
+    return on_each_device(kernel, query, key, value, segments)
 
 
 def einsum_attention(query, key, value):
@@ -118,12 +153,12 @@ def einsum_attention(query, key, value):
     return ops.einsum("bnts,bsnh->btnh", weights, value)
 
 
-def splash_attention(query, key, value, interpret: bool = False):
+def splash_attention(query, key, value, segments=None, *, logits: Logits, interpret=False):
     """Pallas splash attention, one example's heads per kernel call, mapped over the batch."""
     # Imported here: Pallas' kernels add most of a second to importing jax.
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    _, seq, heads, head_dim = query.shape
+    _, seq, heads, _ = query.shape
     block = next(b for b in SPLASH_BLOCKS if seq % b == 0)
     sizes = splash.BlockSizes(
         block_q=block,
@@ -134,42 +169,59 @@ def splash_attention(query, key, value, interpret: bool = False):
         block_kv_dkv_compute=block,
         use_fused_bwd_kernel=True,
     )
-    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
-    kernel = splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    if logits.window is None or logits.window >= seq:
+        head_mask = splash.CausalMask((seq, seq))
+    else:
+        head_mask = splash.LocalMask((seq, seq), (logits.window - 1, 0), offset=0)
+    kernel = splash.make_splash_mha_single_device(
+        splash.MultiHeadMask([head_mask] * heads),
+        block_sizes=sizes,
+        attn_logits_soft_cap=logits.soft_cap,
+        interpret=interpret,
+    )
     # The kernel takes (heads, seq, head_dim) and does not scale the scores.
-    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * head_dim**-0.5, key, value))
-    return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
+    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
+    if segments is None:
+        return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
+    ids = splash.SegmentIds(q=segments, kv=segments)
+    return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
 
 
-def cudnn_attention(query, key, value):
+def cudnn_attention(query, key, value, segments=None, *, logits: Logits):
+    """cuDNN's kernel; `segments` as padding on the right (keras-hub's preprocessors pad
+    there): each example's keys are its first sum(segments) positions."""
+    lengths = None if segments is None else jnp.sum(segments != 0, axis=1, dtype=jnp.int32)
     return jax.nn.dot_product_attention(
         query,
         key,
         value,
-        scale=query.shape[-1] ** -0.5,
+        scale=logits.scale,
         is_causal=True,
+        key_value_seq_lengths=lengths,
+        local_window_size=None if logits.window is None else (logits.window - 1, 0),
         implementation="cudnn",
     )
 
 
-def on_each_device(kernel, query, key, value):
+def on_each_device(kernel, query, key, value, segments=None):
     """`kernel` on each device's rows of the batch and its heads, under the Keras
     distribution's mesh; directly with no distribution or one device."""
+    arrays = (query, key, value) if segments is None else (query, key, value, segments)
     current = distribution()
     if current is None or current.device_mesh.devices.size == 1:
-        return kernel(query, key, value)
+        return kernel(*arrays)
     mesh = current.device_mesh.backend_mesh
     batch, _, heads, _ = query.shape
-    spec = PartitionSpec(
-        _axis_dividing(mesh, current.batch_dim_name, batch),
-        None,
-        _axis_dividing(mesh, "model", heads),
-        None,
-    )
+    rows = _axis_dividing(mesh, current.batch_dim_name, batch)
+    # Grouped-query attention: the query heads of a device read its own key/value heads
+    # only where the model axis splits both alike.
+    split = _axis_dividing(mesh, "model", heads) and _axis_dividing(mesh, "model", key.shape[2])
+    spec = PartitionSpec(rows, None, split, None)
+    specs = (spec, spec, spec, PartitionSpec(rows, None))[: len(arrays)]
     # The Pallas kernel's output carries no record of which mesh axes it varies over.
-    return jax.shard_map(
-        kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
-    )(query, key, value)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(
+        *arrays
+    )
 
 
 def _axis_dividing(mesh, name: str, size: int) -> str | None:

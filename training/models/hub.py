@@ -30,6 +30,7 @@ import keras
 from training import keras_compat
 from training.config import ConfigError
 from training.contracts import MESH_AXES
+from training.models import hub_attention
 
 DATA_AXIS, MODEL_AXIS = MESH_AXES
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
@@ -89,11 +90,13 @@ def causal_lm(
     preset: str = "",
     lora_rank: int = 0,
     lora_targets: list[str] | None = None,
+    attention: str = "auto",
     **kwargs: Any,
 ) -> keras.Model:
     """A keras-hub CausalLM from `preset`, or from `backbone(**kwargs)` with random weights,
-    with LoRA of `lora_rank` where it is not 0, wrapped to take token ids: int32 tokens
-    (batch, sequence) or a dict of `token_ids` and `padding_mask` -> float32 logits
+    with LoRA of `lora_rank` where it is not 0, its attention through the fused kernels as
+    `attention` says (training/models/hub_attention.py), wrapped to take token ids: int32
+    tokens (batch, sequence) or a dict of `token_ids` and `padding_mask` -> float32 logits
     (batch, sequence, vocabulary). Uncompiled."""
     task = _task_from_preset(preset) if preset else _task_from_sizes(backbone, kwargs)
     inputs = task.backbone.input
@@ -105,6 +108,7 @@ def causal_lm(
         )
     if lora_rank:
         _enable_lora(task, lora_rank, lora_targets or None, _named(backbone, preset))
+    hub_attention.install(task, attention)
     return HubCausalLM(task)
 
 
