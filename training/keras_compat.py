@@ -384,6 +384,8 @@ def transformers_exports() -> dict:
         for name, config in hf_exporter.MODEL_CONFIGS.items()
         if name in hf_exporter.MODEL_EXPORTERS
     }
+
+
 # -- keras-hub's attention layers ----------------------------------------------------------
 
 
