@@ -71,6 +71,19 @@ def run_config(overrides: list[str]) -> RunConfig:
     return to_run_config(compose_config(overrides))
 
 
+# The fixtures of a Ray instance: the session's, and the clusters tests/driver/test_cluster.py
+# starts (a three-node one, a kept `ray start --head`).
+RAY_FIXTURES = {"ray_cluster", "multinode_cluster", "kept_instance"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test on Ray (marked `ray`, or on a Ray instance of a fixture) is slow: the quick
+    subset (`pytest -m "not slow"`) leaves them, and the tests marked slow, to the suite."""
+    for item in items:
+        if item.get_closest_marker("ray") or RAY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def keras_dtype_policy_kept():
     """A test that builds a run's model sets Keras' global dtype policy (a bfloat16 run's);

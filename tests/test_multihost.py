@@ -71,15 +71,24 @@ def assert_sharded(summary: dict, mesh: dict, model_axis: int, output_dir: Path)
     assert_no_actor_left()
 
 
+REFERENCE_LOSSES: dict[str, list[float]] = {}  # by the JSON of the overrides, per session
+
+
 def single_device_losses(*runs: list[str]) -> list[list[float]]:
-    """The reference's logged losses for each list of overrides, from one process."""
-    reference = subprocess.run(
-        [sys.executable, str(HERE / "single_device_reference.py"), *map(json.dumps, runs)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return [json.loads(line) for line in reference.stdout.strip().splitlines()[-len(runs) :]]
+    """The reference's logged losses for each list of overrides, those not computed yet in
+    this session from one process (several tests compare with the same reference run)."""
+    wanted = [json.dumps(run) for run in runs]
+    missing = [run for run in dict.fromkeys(wanted) if run not in REFERENCE_LOSSES]
+    if missing:
+        reference = subprocess.run(
+            [sys.executable, str(HERE / "single_device_reference.py"), *missing],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        lines = reference.stdout.strip().splitlines()[-len(missing) :]
+        REFERENCE_LOSSES.update(zip(missing, map(json.loads, lines), strict=True))
+    return [list(REFERENCE_LOSSES[run]) for run in wanted]
 
 
 def log_distance(losses: list[float], reference: list[float]) -> float:

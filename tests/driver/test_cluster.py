@@ -8,6 +8,7 @@ import re
 import secrets
 import shutil
 import site
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import ray
 import yaml
 from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
@@ -235,6 +237,73 @@ def test_a_local_run_joins_a_running_one_node_instance_only_with_room(kept_insta
     assert joined("cluster.hosts=8") == "''"
     told_not_to = run_config(["cluster.use_running=false"]).cluster
     assert join_running(told_not_to) == ""  # before looking for one
+
+
+class StoppingInstance:
+    """What a run finds of a `ray start --head` instance being stopped, as Ray reports it:
+    its address written, its GCS process listed and listening, its one node alive with room
+    but draining (Ray 2.60's `ray start` drains its node for up to 30 s when stopped)."""
+
+    def __init__(self, monkeypatch, listening: bool, draining: bool):
+        import ray._private.services as services
+        from ray._private.worker import global_worker
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        if not listening:
+            self.server.close()
+        self.calls: list[str] = []
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: self.address)
+        monkeypatch.setattr(services, "find_gcs_addresses", _Listed([self.address]))
+        monkeypatch.setattr(ray, "init", lambda **kwargs: self.calls.append("init"))
+        monkeypatch.setattr(ray, "shutdown", lambda: self.calls.append("shutdown"))
+        monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0})
+        node = {"NodeID": "n" * 8, "NodeManagerAddress": "127.0.0.1", "Alive": True}
+        monkeypatch.setattr(ray, "nodes", lambda: [{**node, "Resources": {"CPU": 8.0}}])
+        deadline_ms = int(time.time() * 1000) + 30_000
+        gcs = _DrainingGcs({node["NodeID"]: deadline_ms} if draining else {})
+        monkeypatch.setattr(global_worker, "gcs_client", gcs, raising=False)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+class _Listed(list):
+    def __call__(self):
+        return list(self)
+
+    def cache_clear(self):
+        pass
+
+
+@dataclass
+class _DrainingGcs:
+    draining: dict
+
+    def get_draining_nodes(self, timeout=None):
+        return self.draining
+
+
+def test_a_run_leaves_an_instance_that_is_shutting_down_and_says_so(monkeypatch, capsys):
+    """A stopped `ray start` instance drains while it still looks alive, with room: a run
+    that joined it would wait for hosts that never start, then fail as it ends (exit 2).
+    The run leaves it, says why in one line and starts its own; one alike that is not
+    draining is joined."""
+    cluster = run_config([]).cluster
+    stopping = StoppingInstance(monkeypatch, listening=True, draining=True)
+    assert join_running(cluster) == ""
+    assert stopping.calls == ["init", "shutdown"]
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ray: the running local instance at {stopping.address} is shutting")
+
+    running = StoppingInstance(monkeypatch, listening=True, draining=False)
+    assert f"the running local instance at {running.address}" in join_running(cluster)
+    assert running.calls == ["init"] and capsys.readouterr().err == ""
+
+
+def test_a_run_does_not_try_an_instance_whose_gcs_no_longer_answers(monkeypatch):
+    """A GCS process still listed as it exits: Ray would retry the connection for minutes."""
+    gone = StoppingInstance(monkeypatch, listening=False, draining=False)
+    assert join_running(run_config([]).cluster) == ""
+    assert gone.calls == []
 
 
 def users_shell(cluster: MultiNodeCluster) -> dict[str, str]:

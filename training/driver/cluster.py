@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -73,8 +74,10 @@ def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
     A run that sizes its own instance (`cluster.num_cpus`) starts it.
 
     Ray's own lookup: the address `ray start` wrote, among the GCS processes running here
-    (a stale address, of an instance since stopped, is not tried). One that cannot be
-    joined (another Ray version, say) is left alone."""
+    and answering (a stale address, of an instance since stopped or stopping, is not
+    tried). One that cannot be joined (another Ray version, say) is left alone; one that is
+    shutting down (its node draining) too, with a line that says so: a run that joined it
+    would wait for hosts that never start."""
     from ray._private.services import find_bootstrap_address, find_gcs_addresses
 
     if not cluster.use_running or cluster.num_cpus is not None:
@@ -90,12 +93,24 @@ def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
     if os.environ.get("RAY_ADDRESS", "") not in ("", "auto"):
         # Ray's "auto" below would take RAY_ADDRESS as an explicit address, and send no token.
         return ""
+    if not answers(address):  # its GCS process is still exiting: Ray would retry for minutes
+        return ""
     try:
         # "auto", not the address: Ray sends the token `ray start` found (~/.ray/auth_token)
         # only to an instance it looks up itself; to an explicit address it sends none, and
         # the instance refuses the run after half a minute of retries.
         ray.init(address="auto", logging_level="WARNING")
     except Exception:  # noqa: BLE001 - any failure to join: the run starts its own
+        return ""
+    if shutting_down():
+        ray.shutdown()
+        # Printed here: the run's console does not exist yet, and a sweep joins here too.
+        print(
+            f"ray: the running local instance at {address} is shutting down (`ray stop`, or "
+            "its `ray start` stopped); starting one for the run",
+            file=sys.stderr,
+            flush=True,
+        )
         return ""
     free = ray.available_resources()
     if len(alive_nodes()) == 1 and all(free.get(k, 0) >= v for k, v in wanted.items()):
@@ -105,6 +120,25 @@ def join_running(cluster: LocalClusterConfig, host_groups: int = 1) -> str:
         )
     ray.shutdown()
     return ""
+
+
+def answers(address: str) -> bool:
+    """Whether anything accepts a connection at `address` (host:port) now."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def shutting_down() -> bool:
+    """Whether the connected instance's nodes are draining: `ray start` drains its node for
+    up to half a minute when stopped (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S) while it still
+    looks alive, with room; hosts placed there would never start, and it ends under them."""
+    from ray._private.worker import global_worker
+
+    return bool(global_worker.gcs_client.get_draining_nodes(timeout=REACH_TIMEOUT_S))
 
 
 def check_reachable(address: str) -> None:
