@@ -129,6 +129,7 @@ def test_each_generate_command_runs_on_an_exported_preset(command, tmp_path, mon
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_the_main_command_runs_and_the_report_and_export_commands_read_what_it_wrote(tmp_path):
     run_dir, checkpoints = tmp_path / "run", tmp_path / "ckpt"
     main = next(c for c in COMMANDS if c.module == "training.run" and not c.args)

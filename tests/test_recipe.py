@@ -157,6 +157,7 @@ def uninterrupted(ray_cluster, workdir):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_classifier_trains_with_the_recipe_and_its_export_evaluates_alike_on_one_device(
     uninterrupted, workdir
 ):
@@ -239,6 +240,7 @@ def test_hybrid_resumes_the_schedule_and_exports_from_a_checkpoint_what_it_train
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_early_stopping_stops_where_keras_would_and_the_best_checkpoint_is_kept(
     ray_cluster, workdir, monkeypatch
 ):

@@ -62,6 +62,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
         (["strategy=data_parallel"], MeshShape(8, 1)),
     ],
 )
+@pytest.mark.slow
 def test_a_checkpoint_restores_resharded_onto_another_mesh(
     tmp_path, saved_checkpoint, overrides, mesh
 ):
@@ -165,6 +166,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_and_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     """A writer process saves step 2, then is killed while writing step 4's arrays."""
     writer = textwrap.dedent(

@@ -169,6 +169,7 @@ def export_with_state(overrides: list[str], path: str) -> dict:
         keras.config.set_dtype_policy("float32")
 
 
+@pytest.mark.slow
 def test_every_built_in_model_and_schedule_opens_in_plain_keras_after_import_training(tmp_path):
     """Each export, opened in a fresh process that imports the package and Keras only, holds
     the model's weights and optimizer state, computes in its dtypes and predicts what it

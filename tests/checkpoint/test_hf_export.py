@@ -30,6 +30,9 @@ from training.checkpoint.hf_export import export_for_transformers  # noqa: E402
 from training.models.hub import causal_lm  # noqa: E402
 from training.run import run_training  # noqa: E402
 
+# torch and transformers load each export: the full suite's.
+pytestmark = pytest.mark.slow
+
 FLOAT32_BOUND = 1e-4  # the issue's target, in logits' absolute difference
 LLAMA2_SIZES = dict(num_key_value_heads=2, rope_max_wavelength=500)
 

@@ -63,6 +63,7 @@ def test_token_windows_from_a_bucket_are_the_files_own(tmp_path, bucket, request
     same_batches(on_disk, remote, "held_out", 2, slice(0, 16))
 
 
+@pytest.mark.slow
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
     """The line index is streamed once (in blocks smaller than the file here), then each
     host reads its own lines by ranges: the same batches, tokenized, as the file on disk."""

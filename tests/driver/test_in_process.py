@@ -36,6 +36,7 @@ WITHOUT_RAY = (
 )
 
 
+@pytest.mark.slow
 def test_a_run_and_a_sweep_in_process_need_no_ray_and_run_again_train_nothing(tmp_path):
     """The README's main command with cluster=inprocess, as a 2-trial sweep: each trial in
     the sweep's own process, one after the other, with its checks, progress, export and
@@ -93,6 +94,7 @@ def sweep_without_ray(sweep_dir: Path, *overrides: str) -> subprocess.CompletedP
     return done
 
 
+@pytest.mark.slow
 def test_an_in_process_run_trains_as_one_device_does_and_writes_its_figures(tmp_path):
     """Hybrid 2 × 4 on this process's 8 devices, against plain Keras on one device; the
     summary's throughput figures, and the profile of steps 2 to 3."""
@@ -120,6 +122,7 @@ def options_named(message: str) -> list[tuple[str, str]]:
     return re.findall(r"(\S+=\S+) \(([\d.]+) MB\)", named)
 
 
+@pytest.mark.slow
 def test_a_step_over_the_budget_is_one_error_and_every_change_it_names_trains(tmp_path):
     """plan.device_memory_gb is the budget on CPU too. At 5 MB, between what the changes of
     one setting need by their compiled steps (remat 3.9-4.5 MB, half the batch 4.9 MB against
@@ -248,6 +251,7 @@ def test_strategy_auto_passes_over_a_candidate_the_compiler_refuses(monkeypatch)
     assert refused.compiled is None and chosen is not refused and chosen.compiled
 
 
+@pytest.mark.slow
 def test_strategy_auto_trains_with_the_fastest_strategy_that_fits_by_the_compiled_step(
     tmp_path, capsys
 ):

@@ -122,6 +122,7 @@ def test_on_a_terminal_the_bar_says_what_hosts_do_while_not_stepping():
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_short_run_logs_hosts_and_writes_tensorboard_scalars_equal_to_its_rows(
     ray_cluster, tmp_path
 ):

@@ -20,6 +20,9 @@ from training.config import ConfigError
 from training.report import find_runs
 from training.run import run_training
 
+# An MLflow server started per module, and tracked runs: the full suite's.
+pytestmark = pytest.mark.slow
+
 IN_PROCESS = ["cluster=inprocess"]
 # Where what is tested is not the rows: one logged step, nothing exported.
 SHORT = ["trainer.steps=2", "export.enabled=false"]

@@ -190,6 +190,7 @@ print(json.dumps(asdict(next(r for r in reports if isinstance(r, Compiled)))))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_compile_cache_turned_off_is_reported_off():
     # A second run loading every host's step from the cache: tests/test_multihost.py.
     assert compile_in_subprocess(Path("off"))["compile_cache"] == "off"

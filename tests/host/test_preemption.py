@@ -118,6 +118,7 @@ def wait_for(condition, within_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_a_trial_preempted_by_a_maintenance_event_runs_again_and_resumes(metadata, tmp_path):
     """An in-process sweep's trial whose machine announces a maintenance event as it starts:
     it saves at its first step and stops, the launcher runs it again, and it resumes there

@@ -112,6 +112,7 @@ def test_the_kernel_on_each_device_of_a_2x4_mesh_gives_jaxs_attention_and_sends_
         assert got_grad.sharding.spec == heads_split.spec
 
 
+@pytest.mark.slow
 def test_the_kernel_trains_as_the_einsum_path_does():
     """The transformer under hybrid 2 × 4, its attention through the Pallas kernel (run by
     JAX's interpreter on the CPU) or the einsum path: the same losses."""

@@ -244,6 +244,7 @@ def model_axis_bytes(found) -> float:
     return sent_bytes([c for c in found if c.group == 4])
 
 
+@pytest.mark.slow
 def test_plan_of_the_llama_with_an_auto_layout_matches_its_compiled_step():
     """The decoder blocks followed through (rotary embeddings, the causal mask, grouped-query
     repeat, dot_product_attention): every collective the step sends is predicted."""
@@ -251,6 +252,7 @@ def test_plan_of_the_llama_with_an_auto_layout_matches_its_compiled_step():
     assert predicted.sent_bytes == pytest.approx(measured.sent_bytes, rel=0.10)
 
 
+@pytest.mark.slow
 def test_plan_of_the_llama_with_its_own_layout_predicts_the_model_axis():
     predicted, measured = llama_plan_and_step("model")
     assert model_axis_bytes(predicted.collectives) == pytest.approx(

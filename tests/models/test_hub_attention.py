@@ -11,6 +11,9 @@ import pytest
 from tests.models.test_attention import compiled_on_a_tpu
 from training.models import hub, hub_attention
 
+# Pallas' interpreter over six architectures: the full suite's.
+pytestmark = pytest.mark.slow
+
 SEQ, BATCH, VOCABULARY = 128, 2, 64
 PADDED = 28  # the second example's first tokens are padding (on the left, so that a causal
 # mask alone would let its real tokens see them)

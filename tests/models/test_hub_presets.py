@@ -95,6 +95,7 @@ BACKBONES = {"gemma": "GemmaBackbone", "llama": "LlamaBackbone", "transformers":
     ],
     ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else value,
 )
+@pytest.mark.slow
 def test_a_preset_loads_laid_out_by_its_backbone_and_its_first_loss_is_one_devices(
     presets, family, strategy, shape
 ):
@@ -181,6 +182,7 @@ def test_a_bad_line_further_in_stops_a_host_naming_its_file_and_line(presets, tm
             dataset.batch("train", index, 1, slice(0, 1))
 
 
+@pytest.mark.slow
 def test_prompt_and_padding_carry_no_loss(presets):
     """A prompt and a response field: the run's loss on one device equals a cross-entropy
     over the response tokens only, masked by hand from the tokenized prompt and response."""
@@ -231,6 +233,7 @@ def layout(device_mesh):
 '''
 
 
+@pytest.mark.slow
 def test_a_users_build_that_loads_a_preset_and_adds_lora_runs_under_model_parallel(
     presets, tmp_path, monkeypatch, counted_weight_reads
 ):
@@ -386,6 +389,7 @@ def test_an_auto_layout_of_a_lora_model_splits_the_frozen_weights_too(presets):
     assert {p: a for p, a in with_lora.items() if "lora" not in p} == without
 
 
+@pytest.mark.slow
 def test_lora_only_export_is_keras_hubs_lora_weights(presets, tmp_path):
     """export.lora_only writes what keras-hub's `load_lora_weights` reads back: the preset
     with those LoRA weights gives the trained model's logits."""
@@ -408,6 +412,7 @@ def test_lora_only_export_is_keras_hubs_lora_weights(presets, tmp_path):
     np.testing.assert_allclose(reloaded(x), model(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_init_from_then_lora_trains_lora_from_the_loaded_weights(presets, tmp_path):
     """Loading zeroes a LoRA layer's matrices; the run keeps LoRA's start, so it trains."""
     keras.distribution.set_distribution(None)
@@ -496,6 +501,7 @@ def fine_tune_in_bfloat16(presets, param_dtype: str, preset: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_bfloat16_lora_fine_tune_exports_a_preset_that_plain_keras_hub_opens(presets, tmp_path):
     """trainer.precision=bfloat16 with LoRA, the base weights in float32 (Keras' mixed
     policy) or in bfloat16 (trainer.param_dtype; LoRA's matrices and their optimizer state

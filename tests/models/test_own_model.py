@@ -361,6 +361,7 @@ def reference_run(workdir: Path, overrides: list[str]) -> tuple[list[float], dic
     return json.loads(done.stdout.strip().splitlines()[-1]), dict(np.load(record / "0.npz"))
 
 
+@pytest.mark.slow
 def test_the_ticket_model_trains_data_parallel_and_hybrid_as_one_device_does(workdir, capsys):
     """Two named outputs with a loss each, weighted, each with its own sample weights: data
     parallel and hybrid 2 × 4 (auto layout) in this process, against plain Keras on one

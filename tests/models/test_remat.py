@@ -47,6 +47,7 @@ def without_remat():
     return train_two_steps("none")
 
 
+@pytest.mark.slow
 def test_dots_keeps_the_projections_that_full_recomputes():
     """JAX's policy reaches jax.checkpoint: `dots` holds the projections' outputs that
     `full` recomputes."""
@@ -57,6 +58,7 @@ def test_dots_keeps_the_projections_that_full_recomputes():
     ("remat", "at_most"),
     [("full", 0.5), ("dots", 0.7), (r"block_\d+_attention", 0.8), ("activations", 0.95)],
 )
+@pytest.mark.slow
 def test_remat_trains_the_same_and_holds_less(without_remat, remat, at_most):
     losses, temporaries = train_two_steps(remat)
     expected, whole = without_remat
@@ -64,6 +66,7 @@ def test_remat_trains_the_same_and_holds_less(without_remat, remat, at_most):
     assert temporaries <= at_most * whole, (temporaries, whole)
 
 
+@pytest.mark.slow
 def test_remat_of_a_lora_model_trains_the_same_and_holds_less():
     """Frozen base weights do not keep a layer from being rematerialised: they are read in
     the step, never written (full: 0.52 of the temporaries; dots 0.59)."""
@@ -73,6 +76,7 @@ def test_remat_of_a_lora_model_trains_the_same_and_holds_less():
     assert temporaries <= 0.6 * whole, (temporaries, whole)
 
 
+@pytest.mark.slow
 def test_remat_leaves_out_layers_that_update_state_and_trains_the_same():
     """Batch norm's statistics and dropout's seed change in the step: those layers are not
     rematerialised (jax.checkpoint cannot carry their updates out), the others are."""

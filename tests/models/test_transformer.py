@@ -60,6 +60,7 @@ def train_in_process(strategy: str, mesh: MeshShape, overrides: list[str]) -> li
 
 
 @pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.slow
 def test_every_large_variable_is_split_over_the_model_axis(tied):
     model = build_under(
         "hybrid", MeshShape(2, 4), SPLIT_BY_HEADS + [f"model.kwargs.tie_embeddings={tied}"]
@@ -98,6 +99,7 @@ def test_heads_are_128_wide_unless_their_number_is_given():
         build_under("data_parallel", MeshShape(8, 1), TEXT + ["model.kwargs.d_model=96"])
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_learns_what_the_whole_batch_does():
     whole = train_in_process("hybrid", MeshShape(2, 4), TINY)
     accumulated = train_in_process("hybrid", MeshShape(2, 4), TINY + ["trainer.accumulate=2"])
@@ -106,6 +108,7 @@ def test_gradient_accumulation_learns_what_the_whole_batch_does():
     assert [r.examples for r in accumulated] == [r.examples for r in whole]
 
 
+@pytest.mark.slow
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
     keras.config.set_dtype_policy("mixed_bfloat16")
     model = build_under("hybrid", MeshShape(2, 4), TINY)
@@ -124,6 +127,7 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables():
 BFLOAT16_VARIABLES = ["trainer.precision=bfloat16", "trainer.param_dtype=bfloat16"]
 
 
+@pytest.mark.slow
 def test_bfloat16_variables_hold_the_weights_and_optimizer_state_in_bfloat16_and_learn():
     """trainer.param_dtype=bfloat16: every weight and Adam slot is a bfloat16 array on the
     devices, as the driver's checks (and so the plan) count them, and the loss falls. Keras'
@@ -146,6 +150,7 @@ def test_bfloat16_variables_hold_the_weights_and_optimizer_state_in_bfloat16_and
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.slow
 def test_training_on_text_beats_the_unigram_baseline_within_the_default_steps():
     """The default transformer and text, the default 100 steps, batches of 16 sequences."""
     reports = train_in_process(

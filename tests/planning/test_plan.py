@@ -311,6 +311,7 @@ UNTUNED = {
 
 
 @pytest.mark.parametrize("case", [*MEMORY, *UNTUNED])
+@pytest.mark.slow
 def test_planned_memory_matches_the_compiled_step(case):
     strategy, mesh, overrides = {**MEMORY, **UNTUNED}[case]
     predicted, measured = plan_and_step(strategy, mesh, tuple(overrides))
@@ -346,6 +347,7 @@ COMPILED = {
 
 
 @pytest.mark.parametrize("case", COMPILED)
+@pytest.mark.slow
 def test_the_plans_compiled_figures_are_the_hosts_compiled_step(case):
     """What `training.plan` compiles from abstract state (`compile_ahead_of_time`, also
     strategy=auto's) is what a host's `CompiledStep`, built with weights on the devices,

@@ -215,6 +215,7 @@ COMPILED = {
 
 
 @pytest.mark.parametrize("mesh", [(2, 4), (1, 8)], ids=["hybrid-2x4", "model_parallel-1x8"])
+@pytest.mark.slow
 def test_transformer_is_the_megatron_minimum_plus_what_xla_adds(mesh):
     """The compiled step sends at most 5% over the Megatron minimum on the model axis: what
     XLA adds is the position table gathered as the sum it is added into (not the table) and
@@ -231,6 +232,7 @@ def test_transformer_is_the_megatron_minimum_plus_what_xla_adds(mesh):
 
 
 @pytest.mark.parametrize("case", COMPILED)
+@pytest.mark.slow
 def test_prediction_matches_the_compiled_step(case):
     builder, rules, mesh, (x, y) = COMPILED[case]
     measured = measured_model_axis(builder, rules, mesh, x, y)
