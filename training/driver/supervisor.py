@@ -175,7 +175,9 @@ class Supervisor:
         """Train on the shrunk run's hosts and mesh from `step`: what the driver checks per
         host (rows, joined metrics, throughput per device) follows them."""
         self.cfg, self.checked = shrunk.cfg, shrunk.checked
-        self.coverage = RowCoverage(self.checked.dataset, self.cfg.trainer)
+        self.coverage = RowCoverage(
+            self.checked.dataset, self.cfg.trainer, checked_steps=self.coverage.checked_steps
+        )
         self.metrics.hosts = self.checked.hosts
         self.seen.throughput.devices = self.checked.mesh.devices
         change = mesh_change(step, self.cfg, self.checked, "host lost")
