@@ -20,6 +20,7 @@ import pytest
 
 from tests.checkpoint.test_checkpoint import HYBRID, values
 from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
+from tests.test_multihost import single_device_losses
 from training.build import build_on_grid
 from training.driver.failures import HostFailure
 from training.driver.logs import RUN_LOG
@@ -352,3 +353,65 @@ def test_a_second_signal_stops_at_once():
     unsaved = SimpleNamespace(cfg=run_config(CHECKPOINTED), stop_signal=None, log=None)
     with pytest.raises(KeyboardInterrupt):
         Supervisor._on_signal(unsaved, signal.SIGINT, None)
+
+
+@pytest.mark.timeout(600)  # the run and the reference, on a loaded machine
+def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_as_before(
+    ray_cluster, tmp_path
+):
+    """fault.elastic on 4 hosts × 2 devices, filling the test's 4-CPU Ray instance: after
+    step 3 one host is killed and, as a node lost for good would, its CPU is taken (by a
+    placement group queued before the run could ask for a replacement). No fifth host can be
+    placed within fault.replace_timeout_s, so the run goes on from the newest checkpoint on
+    2 hosts with trainer.accumulate=2, and each loss is plain Keras' on one device with the
+    whole batch."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    taken = {}
+
+    def lose_a_host_for_good() -> dict:
+        # Queued while every CPU is held: it gets the lost host's CPU once the group leaves.
+        taken["group"] = placement_group([{"CPU": 1}])
+        pid = [a.pid for a in alive_actors("HostActor")][-1]
+        os.kill(pid, signal.SIGKILL)
+        return {"pid": pid}
+
+    hit = while_running(tmp_path, lambda lines: len(lines) >= 3, lose_a_host_for_good)
+    elastic = [
+        "cluster.hosts=4",
+        "cluster.devices_per_host=2",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.interval=1",
+        "fault.max_restarts=1",
+        "fault.elastic=true",
+        "fault.replace_timeout_s=3",
+    ]
+    try:
+        summary = run_training(run_config(CHECKPOINTED + elastic), tmp_path)
+    finally:
+        if "group" in taken:
+            remove_placement_group(taken["group"])
+    assert "pid" in hit, f"no host was killed: {hit}"
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    (failure,) = summary["failures"]
+    start, shrunk = summary["mesh_changes"]
+    assert (start["step"], start["hosts"], start["mesh"]) == (0, 4, {"data": 8, "model": 1})
+    assert shrunk["step"] == failure["resumed_from_step"] >= 2
+    assert (shrunk["hosts"], shrunk["mesh"], shrunk["accumulate"]) == (
+        2,
+        {"data": 4, "model": 1},
+        2,
+    )
+    assert summary["hosts"] == 2 and summary["rows_fed_checked_steps"] == len(
+        summary["logged_steps"]
+    )
+    assert f"mesh changed from step {shrunk['step']}: 2 hosts" in (tmp_path / RUN_LOG).read_text()
+    (reference,) = single_device_losses(CHECKPOINTED)
+    np.testing.assert_allclose(summary["loss_history"], reference, rtol=1e-4)
+    first_step = summary["phase_seconds"]["first_step"]
+    print(
+        f"\nelastic: going on {failure['recovery_seconds']:.2f} s after the loss was noticed "
+        f"(replace_timeout_s 3 of it); the run's own time to first step {first_step:.2f} s; "
+        f"ratio {failure['recovery_seconds'] / first_step:.2f}"
+    )
+    assert_no_actor_left()

@@ -19,7 +19,12 @@ from training.config import RunConfig
 # 1 (no `format` key): arrays in lists, paired with variables by position.
 FORMAT = 2
 # Differences that change the optimizer's variables: no allowance makes their arrays fit.
-NOT_ALLOWABLE = ("optimizer.name", "trainer.accumulate")
+NOT_ALLOWABLE = ("optimizer.name",)
+# trainer.accumulate may grow where allowed (fault.elastic does, on fewer hosts): a checkpoint
+# is saved at a step boundary, where Keras' gradient accumulators (these keys' variables)
+# are zero, so the ones a larger accumulate adds start at zero (training.host.checkpoints).
+ACCUMULATE = "trainer.accumulate"
+GRADIENT_ACCUMULATOR = "_gradient_accumulator"
 # What a resume may change freely: the layout (arrays are resharded on load) and the metrics
 # (their state is not checkpointed).
 NOT_RECORDED_MODEL_KEYS = ("layout_rules", "layout", "metrics", "weighted_metrics")
@@ -98,10 +103,23 @@ def record_differences(
     found.unknown_allowances = [a for a in allow_changes if not any(_allowed(k, [a]) for k in keys)]
     found.structural = _shape_differences("variables", saved.get("variables", {}), variables)
     if optimizer_variables is not None:
+        if _allowed(ACCUMULATE, allow_changes):
+            optimizer_variables = saved_optimizer_variables(saved, optimizer_variables)
         found.structural += _shape_differences(
             "optimizer variables", saved.get("optimizer_variables", {}), optimizer_variables
         )
     return found
+
+
+def saved_optimizer_variables(saved: dict, now: dict) -> dict:
+    """`now` (optimizer variables by key) without the gradient accumulators the checkpoint
+    lacks: those a larger trainer.accumulate adds, zero at the step it was saved at."""
+    before = saved.get("optimizer_variables", {})
+    return {
+        key: value
+        for key, value in now.items()
+        if key in before or not key.endswith(GRADIENT_ACCUMULATOR)
+    }
 
 
 def _allowed(key: str, allow_changes: list[str]) -> bool:
@@ -141,8 +159,8 @@ def refusal(directory: str, step: int, found: Differences) -> str:
         )
     if found.structural or any(k in line for k in NOT_ALLOWABLE for line in found.refused):
         advice.append(
-            "variables, their shapes, the optimizer and trainer.accumulate cannot be allowed "
-            "to differ (the saved arrays would not fit)"
+            "variables, their shapes and the optimizer cannot be allowed to differ (the saved "
+            "arrays would not fit)"
         )
     advice.append("or point checkpoint.dir at a new directory to start afresh")
     return (

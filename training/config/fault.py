@@ -31,12 +31,25 @@ class FaultConfig:
     # checkpoint at the next step all reach, and the summary says whether that save
     # finished within it.
     preemption_grace_s: float = 25.0
+    # After a lost host, a replacement group that cannot be placed within replace_timeout_s
+    # makes the run go on with fewer hosts (training.driver.elastic): the data axis shrinks,
+    # trainer.accumulate grows so the global batch and the order of examples stay, and the
+    # state is resharded from the newest checkpoint. Each such restart counts against
+    # fault.max_restarts.
+    elastic: bool = False
+    replace_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         require(self.startup_timeout_s > 0, "fault.startup_timeout_s must be > 0")
         require(self.step_timeout_s > 0, "fault.step_timeout_s must be > 0")
         require(self.max_restarts >= 0, "fault.max_restarts must be >= 0")
         require(self.preemption_grace_s > 0, "fault.preemption_grace_s must be > 0")
+        require(self.replace_timeout_s > 0, "fault.replace_timeout_s must be > 0")
+        require(
+            not self.elastic or self.max_restarts > 0,
+            "fault.elastic=true needs fault.max_restarts > 0: going on with fewer hosts is a "
+            "restart",
+        )
         require(
             self.on_nan in NAN_POLICIES,
             f"fault.on_nan={self.on_nan!r} is not one of {', '.join(NAN_POLICIES)}",

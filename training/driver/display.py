@@ -16,6 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from training.driver.elastic import described
 from training.driver.metrics import metric_names
 
 # Without a terminal, a phase other than training is told once it has lasted this long.
@@ -32,6 +33,7 @@ class ProgressDisplay:
         self._bar: Progress | None = None
         self._task = None
         self._told: dict[int, str] = {}  # host -> the phase last told of, without a terminal
+        self._mesh = ""  # after fault.elastic changed the mesh: the one trained on now
 
     def __enter__(self) -> ProgressDisplay:
         if self.console.is_terminal:
@@ -45,7 +47,7 @@ class ProgressDisplay:
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[phases]}"),
+                TextColumn("{task.fields[mesh]}{task.fields[phases]}"),
                 console=self.console,
             )
             self._task = self._bar.add_task(
@@ -55,6 +57,7 @@ class ProgressDisplay:
                 speed="-",
                 device="",
                 slowest="-",
+                mesh="",
                 phases="",
             )
             self._bar.start()
@@ -93,6 +96,14 @@ class ProgressDisplay:
                 soft_wrap=True,
             )
 
+    def mesh_changed(self, change: dict) -> None:
+        """fault.elastic trains on another mesh from a step (`elastic.mesh_change`): the
+        progress line names it from then on."""
+        mesh = change["mesh"]
+        self._mesh = f"  mesh {mesh['data']}×{mesh['model']} on {change['hosts']} hosts"
+        if self._bar is not None:
+            self._bar.update(self._task, mesh=self._mesh)
+
     def logged(self, record: dict) -> None:
         loss = f"{record['loss']:.4f}" + "".join(
             f"  {name} {record[name]:.4f}" for name in metric_names([record])
@@ -118,7 +129,8 @@ class ProgressDisplay:
         else:
             self.console.print(
                 f"step {record['step']}/{self.total_steps}  loss {loss}  "
-                f"examples/s {speed}{device}  eta {self._eta(record)}  slowest host {slowest}",
+                f"examples/s {speed}{device}  eta {self._eta(record)}  slowest host {slowest}"
+                f"{self._mesh}",
                 highlight=False,
                 soft_wrap=True,  # one line per logged step, however narrow the log viewer
             )
@@ -182,6 +194,8 @@ def print_summary(summary: dict, console: Console) -> None:
         step, figure = summary["best_checkpoint"]
         by = summary["config"]["checkpoint"]["keep_best"]
         lines.append(f"best checkpoint: step {step} ({by} {figure:.4f})")
+    for change in summary.get("mesh_changes", [])[1:]:
+        lines.append(f"mesh changed ({change['why']}) {described(change)}")
     if "checkpoint_step" in summary:
         lines.append(
             f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "

@@ -169,8 +169,11 @@ def steady_throughput(records: list[dict], throughput: Throughput | None) -> dic
 
 
 def per_host_step_seconds(records: list[dict]) -> list[float]:
-    """Each host's median step time over the steady records."""
-    per_host = zip(*(r["per_host_step_seconds"] for r in _steady(records)), strict=True)
+    """Each host's median step time over the steady records of the hosts the run ends with
+    (fault.elastic may have trained on more before)."""
+    hosts = len(records[-1]["per_host_step_seconds"])
+    last_hosts = [r for r in records if len(r["per_host_step_seconds"]) == hosts]
+    per_host = zip(*(r["per_host_step_seconds"] for r in _steady(last_hosts)), strict=True)
     return [statistics.median(times) for times in per_host]
 
 

@@ -43,6 +43,9 @@ class Observed:
     throughput: Throughput | None = None
     device_kind: str | None = None  # JAX's name of the hosts' devices
     device_memory_limit: int | None = None  # bytes a device may hold (None: not said)
+    # Each mesh the run trained on from a step (training.driver.elastic.mesh_change): the
+    # first from the start, then one for each time fault.elastic shrank the run.
+    mesh_changes: list[dict] = field(default_factory=list)
 
     def saw_devices(self, kind: str, memory_limit: int | None) -> None:
         """A host's devices: their kind gives the peak MFU is measured against, unless
@@ -126,6 +129,7 @@ def build_summary(
         ),
         "restarts": len(restarts),
         "failures": restarts.failures(),
+        "mesh_changes": seen.mesh_changes,
         **_checkpoint_summary(cfg, results, stop_signal),
         "config": asdict(cfg),
     }

@@ -21,6 +21,7 @@ from training.contracts import predicts_tokens
 from training.driver.checked import Checked
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
+from training.driver.elastic import Shrunk, described, mesh_change, shrink
 from training.driver.failures import FailedHost, HostFailure
 from training.driver.hosts import HostGroup, hosts_reachable, request_hosts
 from training.driver.logs import RunLog
@@ -87,6 +88,7 @@ class Supervisor:
         self.stop_signal: int | None = None
         # The newest step a checkpoint of this run is known to have reached (0: none).
         self.saved_step = checked.resume_step or 0
+        self.seen.mesh_changes.append(mesh_change(self.saved_step, cfg, checked, "start"))
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -160,6 +162,40 @@ class Supervisor:
             f"restart {len(self.restarts)}/{self.cfg.fault.max_restarts}: {failure}; "
             f"starting a fresh host group from the checkpoint at step {resume}"
         )
+        if self.cfg.fault.elastic:
+            self.next_group = self._replacement_or_fewer_hosts(resume)
+
+    def _replacement_or_fewer_hosts(self, resume: int) -> HostGroup:
+        """fault.elastic: a group of as many hosts as before where Ray places one within
+        fault.replace_timeout_s; else the run shrunk to fewer hosts (one lost), and their group."""
+        timeout = self.cfg.fault.replace_timeout_s
+        waiting = replace(self.cfg.cluster, placement_timeout_s=timeout)
+        group = request_hosts(waiting, self.cfg.fault.startup_timeout_s)
+        try:
+            group.wait_placed(self._notify)
+            return group
+        except ConfigError:  # not placed in time
+            group.shutdown()
+        self.log.line(
+            f"elastic: no replacement host placed within fault.replace_timeout_s={timeout:g}s; "
+            "going on with fewer hosts"
+        )
+        self._go_on_with(shrink(self.cfg, self.checked, self.checked.hosts - 1), resume)
+        return self._request_group()
+
+    def _go_on_with(self, shrunk: Shrunk, step: int) -> None:
+        """Train on the shrunk run's hosts and mesh from `step`: what the driver checks per
+        host (rows, joined metrics, throughput per device) follows them."""
+        self.cfg, self.checked = shrunk.cfg, shrunk.checked
+        self.coverage = RowCoverage(
+            self.checked.dataset, self.cfg.trainer, checked_steps=self.coverage.checked_steps
+        )
+        self.metrics.hosts = self.checked.hosts
+        self.seen.throughput.devices = self.checked.mesh.devices
+        change = mesh_change(step, self.cfg, self.checked, "host lost")
+        self.seen.mesh_changes.append(change)
+        self.log.line(f"mesh changed {described(change)}")
+        self.display.mesh_changed(change)
 
     def _run_host_group(self) -> list[dict]:
         group, self.next_group = self.next_group or self._request_group(), None
@@ -274,8 +310,10 @@ class Supervisor:
     def _request_spare(self) -> None:
         """While a group trains and a restart is left, a spare group waits with its processes
         started and libraries imported: a restart then skips most of a host's start. Where
-        the cluster has no room for it, it is placed when the failed group leaves."""
-        if self.next_group is None and self.restarts.left():
+        the cluster has no room for it, it is placed when the failed group leaves. An elastic
+        run keeps none: the capacity a failed group leaves must go to the replacement asked
+        for then, within fault.replace_timeout_s, or to a smaller group."""
+        if self.next_group is None and self.restarts.left() and not self.cfg.fault.elastic:
             self.next_group = self._request_group()
 
     def _request_group(self) -> HostGroup:

@@ -19,6 +19,7 @@ from training.checkpoint.record import (
     record_differences,
     refusal,
     resume_record,
+    saved_optimizer_variables,
 )
 from training.checkpoint.storage import (
     RECORD,
@@ -44,6 +45,7 @@ from training.recipe.early_stopping import better
 # Optimizer variables the config owns: a resume takes them from this run's config (an
 # allowed learning-rate change must take effect), not from the checkpoint.
 CONFIG_OWNED = ("learning_rate",)
+ITERATION = "iteration"  # the optimizer's count of micro-batches applied
 # Bytes of one host's view of checkpoint.dir, as JSON, when hosts exchange them.
 VIEW_BYTES = 4096
 
@@ -129,7 +131,7 @@ class HostCheckpoints:
     def _shapes(self, group: str) -> dict[str, list[int]]:
         return {key: list(v.shape) for key, v in self.variables[group].items()}
 
-    def _check_record(self, step: int) -> None:
+    def _check_record(self, step: int) -> dict:
         import jax
         import orbax.checkpoint as ocp
 
@@ -154,6 +156,7 @@ class HostCheckpoints:
                 + "; ".join(found.allowed),
                 stacklevel=2,
             )
+        return record
 
     def restore_newest(self) -> int:
         """Load the newest checkpoint (the step every host agreed on) onto this model's
@@ -167,7 +170,11 @@ class HostCheckpoints:
         import jax
         import orbax.checkpoint as ocp
 
-        self._check_record(step)
+        record = self._check_record(step)
+        saved = {
+            "model": self.variables["model"],
+            "optimizer": saved_optimizer_variables(record, self.variables["optimizer"]),
+        }
         # The targets are this run's arrays: orbax reads each device's shard of every
         # variable whatever mesh wrote it.
         targets = {
@@ -175,9 +182,9 @@ class HostCheckpoints:
                 key: jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
                 for key, v in variables.items()
             }
-            for group, variables in self.variables.items()
+            for group, variables in saved.items()
         }
-        self._free_what_is_restored()
+        self._free_what_is_restored(saved)
         try:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(targets)})
@@ -187,22 +194,33 @@ class HostCheckpoints:
                 f"could not restore step {step} from checkpoint.dir={self.cfg.dir}: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        for group, key, variable in self._replaced_by_restore():
+        for group, key, variable in self._replaced_by_restore(saved):
             variable.assign(restored[group][key])
+        self._count_micro_batches_to(step)
         return step
 
-    def _free_what_is_restored(self) -> None:
+    def _count_micro_batches_to(self, step: int) -> None:
+        """Keras counts micro-batches: with another trainer.accumulate than the checkpoint's
+        (fault.elastic), `step` updates are another count than it saved."""
+        import jax
+        import numpy as np
+
+        iteration = self.variables["optimizer"][ITERATION]
+        count = np.asarray(step * self.accumulate, iteration.value.dtype)
+        iteration.assign(jax.device_put(count, iteration.value.sharding))
+
+    def _free_what_is_restored(self, saved: dict[str, dict]) -> None:
         """Free the values the checkpoint replaces before orbax reads it, so that this
         host holds its share of the state once while restoring, not twice. (A failed
         restore fails the host, which a restart builds afresh.)"""
-        for _, _, variable in self._replaced_by_restore():
+        for _, _, variable in self._replaced_by_restore(saved):
             if not variable.value.is_deleted():  # one array, two variables
                 variable.value.delete()
 
-    def _replaced_by_restore(self):
-        """(group, key, variable) of each variable a restore assigns: all but the optimizer's
-        config-owned ones, which this run's config sets."""
-        for group, variables in self.variables.items():
+    def _replaced_by_restore(self, saved: dict[str, dict]):
+        """(group, key, variable) of each `saved` variable a restore assigns: all but the
+        optimizer's config-owned ones, which this run's config sets."""
+        for group, variables in saved.items():
             for key, variable in variables.items():
                 if not (group == "optimizer" and key in CONFIG_OWNED):
                     yield group, key, variable
