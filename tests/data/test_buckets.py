@@ -2,9 +2,6 @@
 (gcp-storage-emulator) by byte ranges give the batches, fingerprint and training of the same
 files on disk; what is missing or unsupported is one error before any host starts."""
 
-import importlib
-import sys
-
 import numpy as np
 import pytest
 
@@ -98,10 +95,13 @@ def test_what_is_missing_in_a_bucket_is_one_error_before_the_hosts(tmp_path, s3)
 
 
 def test_a_missing_bucket_package_is_named(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    import fsspec
+
+    def not_installed(protocol, **kwargs):  # what fsspec raises for a package not installed
+        raise ImportError(f"Install gcsfs to access Google Storage ({protocol})")
+
+    monkeypatch.setattr(fsspec, "filesystem", not_installed)
     monkeypatch.setattr(storage, "bucket_filesystem", storage.bucket_filesystem.__wrapped__)
-    # fsspec's classes already imported, forgotten (`fsspec.registry` is the mapping)
-    monkeypatch.setattr(importlib.import_module("fsspec.registry"), "_registry", {})
     with pytest.raises(ConfigError, match="needs the `gcsfs` package"):
         storage.object_size("gs://bucket/train.bin", "data.path")
 
