@@ -21,7 +21,9 @@ from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning import costs
 from training.planning.abstract import ModelKey, abstract_keras_model
+from training.planning.compiled import compile_ahead_of_time
 from training.planning.layout import resolve_layout
+from training.planning.target import compile_target
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 from training.recipe.optimizer import check_updates_weights_of
@@ -82,8 +84,18 @@ def check_memory_fits(
     compiled: CompiledMemory | None = None,
 ) -> None:
     """The memory per device for the configured strategy (compiled, or the plan's estimate)
-    within plan.device_memory_gb."""
+    within plan.device_memory_gb. For a TPU slice whose compiler this machine has, an
+    estimate over the budget is checked by compiling the step for the slice, whose figure
+    decides (a minute for a large model: only where the estimate would refuse the run)."""
     why = costs.over_budget(cfg, model, mesh, per_host, compiled)
+    if why and compiled is None and compile_target(cfg).topology:
+        try:
+            compiled = compile_ahead_of_time(cfg, mesh).memory
+        except OutOfDeviceMemory as error:
+            raise ConfigError(
+                f"{error}. python -m training.plan shows each strategy's figures"
+            ) from None
+        why = costs.over_budget(cfg, model, mesh, per_host, compiled)
     if why:
         raise ConfigError(
             f"{why}. python -m training.plan shows each strategy's figures; "
