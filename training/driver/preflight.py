@@ -72,7 +72,7 @@ def preflight(cfg: RunConfig, compiled: CompiledMemory | None = None) -> Checked
         None if strategy.replicates else layout.rules,
         count_parameters(model),
         model_flops_per_example(model, data_spec.positions_per_example),
-        tuple(w for w in [costs.untraced_warning(model)] if w),
+        (*layout.warnings, *(w for w in [costs.untraced_warning(model)] if w)),
     )
 
 

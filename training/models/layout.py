@@ -22,6 +22,20 @@ def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
     return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
 
 
+def axis_names(axes) -> set[str]:
+    """The mesh axes a rule's axes name, a dimension split over several (`("model",
+    "data")`) naming each."""
+    return {
+        name for axis in axes for name in (axis if isinstance(axis, tuple | list) else (axis,))
+    } - {None}
+
+
+def split_size(axis, sizes: dict) -> int:
+    """Into how many pieces one dimension's entry (an axis, several, or None) cuts it."""
+    names = axis if isinstance(axis, tuple | list) else (axis,)
+    return int(np.prod([sizes[name] for name in names]))
+
+
 def layout_rules(
     cfg: ModelConfig,
     mesh_shape: tuple[int, int],

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from training.config import RunConfig
 from training.contracts import LayoutRules
-from training.models import rule_axes
+from training.models import axis_names, rule_axes
 from training.tpus import slice_topology
 
 ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
@@ -115,7 +115,7 @@ def stand_in_wrong(cfg: RunConfig, rules: LayoutRules | None, trainable: list[st
     target = compile_target(cfg)
     if not target.stands_in or not rules:
         return None
-    if not any("data" in rule_axes(path, rules) for path in trainable):
+    if not any("data" in axis_names(rule_axes(path, rules)) for path in trainable):
         return None
     install = " (pip install -e '.[tpu]': libtpu compiles for the slice)" * (
         target.platform == "tpu"
