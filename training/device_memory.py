@@ -66,11 +66,14 @@ def check_step_fits(needed: int, budget_bytes: float) -> None:
 
 
 @contextmanager
-def out_of_memory_explained(when: str, held: Callable[[], int] | None = None) -> Iterator[None]:
+def out_of_memory_explained(
+    when: str, held: Callable[[], int] | None = None, device: str | None = None
+) -> Iterator[None]:
     """A device's out-of-memory error inside the block (the compiler's refusal, an
     allocation at run time) as `OutOfDeviceMemory`, with the figures it gives. Where it gives
     the temporaries alone, `held()` (bytes per device of the arrays the step reads: its state
-    and batch) is added, so that the figure is what the step needs."""
+    and batch) is added, so that the figure is what the step needs. `device`: the kind of
+    device compiled for, where not this process's (a TPU slice's, compiled from its CPU)."""
     try:
         yield
     except OutOfDeviceMemory:
@@ -85,7 +88,7 @@ def out_of_memory_explained(when: str, held: Callable[[], int] | None = None) ->
         raise OutOfDeviceMemory(
             needed,
             limit or memory_limit(),
-            local_device().device_kind,
+            device or local_device().device_kind,
             when,
             message.splitlines()[0][:300],
         ) from None

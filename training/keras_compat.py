@@ -224,6 +224,28 @@ def values_made_abstract():
         Variable.__init__ = original
 
 
+def allow_several_axes_per_dimension() -> None:
+    """Let a layout split one dimension over several mesh axes (`("model", "data")`), as
+    JAX's PartitionSpec does and Keras' TensorLayout passes on to it; Keras 3.15 checks each
+    dimension's entry as one axis name and refuses a tuple."""
+    from keras.src.distribution import TensorLayout
+
+    def validate_axes(layout) -> None:
+        if layout._device_mesh:
+            valid = set(layout._device_mesh.axis_names)
+            named = {
+                name
+                for axis in layout._axes
+                for name in (axis if isinstance(axis, tuple | list) else (axis,))
+            } - {None}
+            if named - valid:
+                raise ValueError(
+                    f"Invalid axis names for Layout. Valid axis names: {valid}, Got {named}"
+                )
+
+    TensorLayout._validate_axes = validate_axes
+
+
 def variable_sharding(variable):
     """The sharding of a variable's value: its live array's, or for a variable left abstract
     the one its layout gives it (None without a distribution)."""

@@ -27,6 +27,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from training.config import AUTO, ConfigError, RunConfig, compose_run_config  # noqa: E402
+from training.driver.cluster import sized_to_tpu_slice  # noqa: E402
 from training.driver.display import print_choice, print_layout, print_warnings  # noqa: E402
 from training.driver.preflight import preflight  # noqa: E402
 from training.events import OutOfDeviceMemory  # noqa: E402
@@ -37,11 +38,7 @@ from training.parallel.strategy import Strategy  # noqa: E402
 from training.planning.advice import advice, compiled_alternatives  # noqa: E402
 from training.planning.auto import choose, is_auto  # noqa: E402
 from training.planning.auto_layout import AutoLayout  # noqa: E402
-from training.planning.compiled import (  # noqa: E402
-    Compiled,
-    compile_ahead_of_time,
-    compile_where_the_run_would,
-)
+from training.planning.compiled import Compiled, compile_ahead_of_time  # noqa: E402
 from training.planning.costs import (  # noqa: E402
     AbstractModel,
     StrategyCost,
@@ -50,6 +47,11 @@ from training.planning.costs import (  # noqa: E402
     over_budget,
     split_ways,
     strategy_cost,
+)
+from training.planning.target import (  # noqa: E402
+    compile_target,
+    compile_where_the_run_would,
+    stand_in_wrong,
 )
 
 SPEEDUP_DEVICES = (1, 2, 4, 8)
@@ -76,6 +78,15 @@ def check_cluster_size_given(cfg: RunConfig) -> None:
             )
 
 
+def sized_for_the_plan(cfg: RunConfig) -> RunConfig:
+    """`cfg` with a TPU slice's hosts and chips (its topology's, as Ray reckons them), and
+    checked to give the cluster's size."""
+    if getattr(cfg.cluster, "tpu_topology", ""):
+        cfg = replace(cfg, cluster=sized_to_tpu_slice(cfg.cluster))
+    check_cluster_size_given(cfg)
+    return cfg
+
+
 def make_plan(
     cfg: RunConfig, compile: bool = False, compiled: Compiled | None = None
 ) -> LaunchPlan:
@@ -88,7 +99,9 @@ def make_plan(
     examples = cfg.trainer.micro_batch
     configured = strategy_cost(cfg, model, Strategy.of(cfg.strategy), checked.mesh, examples)
     refused = None
-    if compile and compiled is None:
+    # Where XLA:CPU stands in for the run's compiler and is known wrong, the estimate alone.
+    not_compiled = stand_in_wrong(cfg, configured.rules, model.trainable)
+    if compile and compiled is None and not not_compiled:
         try:
             compiled = compile_ahead_of_time(cfg, checked.mesh)
         except OutOfDeviceMemory as error:  # the plan says so rather than stopping
@@ -111,6 +124,7 @@ def make_plan(
         predicted_speedups(cfg, model, configured),
         [
             *checked.warnings,
+            *([not_compiled] if compile and not_compiled else []),
             *launch_warnings(cfg, model, configured, compiled, refused, advised),
         ],
         checked.layout,
@@ -263,11 +277,9 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
 def print_compiled(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
     """The configured strategy's figures as XLA compiled the hosts' step (on this machine's
     accelerator where the run has it, else on simulated CPU devices), beside the estimate."""
-    import jax
-
     configured, compiled = plan.configured, plan.compiled
     memory = configured.memory
-    where = f"{configured.mesh.devices} {jax.devices()[0].device_kind} device(s)"
+    where = compile_target(cfg).describe(configured.mesh.devices)
     table = Table(
         title=f"{configured.strategy.label} compiled on {where}, per device",
         title_justify="left",
@@ -305,8 +317,7 @@ def main(overrides: list[str]) -> int:
     # Its table's 10 columns need about 100 characters; a pipe's default is 80.
     console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 100))
     try:
-        cfg = compose_run_config(overrides)
-        check_cluster_size_given(cfg)
+        cfg = sized_for_the_plan(compose_run_config(overrides))
         choice = None
         if cfg.plan.compile or is_auto(cfg):
             compile_where_the_run_would(cfg)

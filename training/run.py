@@ -104,12 +104,14 @@ def chosen_strategy(cfg: RunConfig, console: Console):
         return cfg, None
     # Imported here: Keras and the planner, for this strategy only.
     from training.planning.auto import choose
-    from training.planning.compiled import compile_where_the_run_would
+    from training.planning.target import compile_where_the_run_would
 
     compile_where_the_run_would(cfg)
     choice = choose(cfg)
     print_choice(choice, cfg, console)
-    return choice.config, choice.chosen.compiled.memory
+    config = choice.config  # a ConfigError where nothing fits
+    compiled = choice.chosen.compiled  # none where the estimate decided
+    return config, compiled.memory if compiled else None
 
 
 def checked_and_run(

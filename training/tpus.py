@@ -35,6 +35,15 @@ VM_CHIP_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
 # Processes of a VM split along y first, then x (each block a (x, y, 1) box).
 PROCESS_BLOCK_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1)}
 FIRST_PROCESS_PORT = 8476  # libtpu's own default for the first process of a VM
+# Ray's names of the TPU versions (cluster.tpu_version) whose chips JAX makes one device each
+# -> libtpu's name for the chip in a topology ("v5e:16x16"), and what JAX calls its devices.
+# (libtpu's compile-only v2-v4 topologies have a device per TensorCore, two per chip, where a
+# v4 VM's JAX has one per chip: not planned for.)
+SLICE_CHIPS = {
+    "v5litepod": ("v5e", "TPU v5 lite"),
+    "v5p": ("v5p", "TPU v5"),
+    "v6e": ("v6e", "TPU v6 lite"),
+}
 
 
 def count_tpu_chips(dev: str = "/dev", sysfs: str = "/sys/kernel/iommu_groups") -> int:
@@ -53,6 +62,20 @@ def tpu_kind(
     ids = _vfio_tpu_device_ids(dev, sysfs) or _pci_device_ids("/sys/bus/pci/devices")
     known = [TPU_KINDS[i] for i in ids if i in TPU_KINDS]
     return known[0] if known else None
+
+
+def slice_topology(version: str, topology: str) -> str | None:
+    """libtpu's name of the slice Ray calls `topology` of `version` ("v5e:16x16" for 16x16 of
+    v5litepod); None for a version not in SLICE_CHIPS."""
+    chip = SLICE_CHIPS.get(version)
+    return f"{chip[0]}:{topology}" if chip else None
+
+
+def slice_device_memory(version: str) -> float | None:
+    """The bytes JAX lets one device of a `version` slice use; None where unknown."""
+    chip = SLICE_CHIPS.get(version)
+    kinds = dict(TPU_KINDS.values())
+    return kinds.get(chip[1]) if chip else None
 
 
 def _vfio_tpu_device_ids(dev: str, sysfs: str) -> list[str]:

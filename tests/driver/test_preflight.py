@@ -88,12 +88,6 @@ def test_variable_matched_by_two_rules_is_rejected():
             ["model=transformer", "data=text", "strategy=model_parallel", "model.kwargs.heads=4"],
             r"block_0_attention/qkv/kernel \(size 4, shape \[128, 3, 4, 32\]\) over mesh.model=8",
         ),
-        (
-            ["strategy=fsdp", "cluster.hosts=3", "cluster.devices_per_host=1"]
-            + ["trainer.global_batch=63"],
-            r"over the data axis \(mesh.data=3\), which divides no dimension of "
-            r"block_0_up/kernel \[64, 256\]",
-        ),
         (["strategy.fsdp=true"], "with strategy=data_parallel use strategy=fsdp"),
         (["trainer.remat=block_\\d+_nothing"], "as a regex it matches no layer's path"),
         (["trainer.remat='block_(0'"], r"trainer.remat='block_\(0' is not a regex"),
@@ -117,6 +111,17 @@ def test_variable_matched_by_two_rules_is_rejected():
 def test_bad_runs_fail_preflight(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(run_config(overrides))
+
+
+def test_a_weight_fsdp_cannot_split_stays_whole_with_a_warning_naming_it():
+    cfg = run_config(
+        ["strategy=fsdp", "cluster.hosts=3", "cluster.devices_per_host=1"]
+        + ["trainer.global_batch=63"]
+    )
+    warnings = preflight(cfg).warnings
+    assert any(
+        "(mesh.data=3 divides none" in w and "block_0_up/kernel [64, 256]" in w for w in warnings
+    )
 
 
 def test_a_run_told_to_try_a_strategy_over_the_memory_budget_passes():

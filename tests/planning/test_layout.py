@@ -2,6 +2,7 @@
 alike, and the plan derives each layout once."""
 
 import collections
+import math
 
 import jax
 import keras
@@ -11,7 +12,7 @@ from tests.conftest import run_config
 from training.build import build_on_grid, describe_variables
 from training.driver.checked import with_layout
 from training.driver.preflight import preflight
-from training.models import rule_axes
+from training.models import rule_axes, split_size
 from training.parallel.mesh import device_grid
 from training.plan import make_plan
 from training.planning import auto_layout
@@ -26,7 +27,8 @@ def shard_shapes(rules, mesh, variables) -> dict[str, list[int]]:
     for path, described in variables.items():
         axes = rule_axes(path, rules) or (None,) * len(described["shape"])
         shapes[path] = [
-            size // sizes[axis] for size, axis in zip(described["shape"], axes, strict=True)
+            size // split_size(axis, sizes)
+            for size, axis in zip(described["shape"], axes, strict=True)
         ]
     return shapes
 
@@ -54,6 +56,47 @@ def test_preflight_the_plan_and_the_hosts_build_lay_the_model_out_alike(override
     assert shard_shapes(checked.rules, checked.mesh, live) == shards
     assert planned.mesh == checked.mesh
     assert shard_shapes(planned.rules, planned.mesh, live) == shards
+
+
+# hybrid + fsdp on shapes the data axis divides only where the model's rules split already:
+# the transformer's MLP bias [8192] (over `model`, 4) is split over both axes, 8 ways; the
+# tiny Llama's own rules put `data` on its 4 heads, which mesh.data=8 does not divide, and
+# give way to fsdp's placement. Each laid out as the hosts' build (Keras, JAX) holds it.
+TWO_AXES = {
+    "transformer-bias-over-model-and-data": (
+        ["model=transformer", "data=text", "model.kwargs.d_ff=8192", "strategy=hybrid"],
+        "block_0_mlp_up/bias",
+        8,
+        "",
+    ),
+    "llama-heads-give-way": (
+        ["model=hub", "data=text", "model.seq_len=32", "trainer.global_batch=16"]
+        + ["strategy=hybrid", "mesh.data=8", "mesh.model=1", "model.kwargs.hidden_dim=128"],
+        "transformer_layer_0/self_attention/query/kernel",
+        8,
+        "fsdp places them instead: transformer_layer_0/self_attention/query/kernel [128, 4, 32]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TWO_AXES)
+def test_hybrid_fsdp_splits_over_both_axes_and_overrides_a_models_indivisible_data(case):
+    overrides, path, ways, warned = TWO_AXES[case]
+    cfg = run_config(
+        ["cluster.hosts=2", "cluster.devices_per_host=4", "strategy.fsdp=true", *overrides]
+    )
+    checked = preflight(cfg)
+    assert not warned or any(warned in w for w in checked.warnings)
+    try:
+        model, _ = build_on_grid(
+            with_layout(cfg, checked), device_grid(jax.devices(), checked.mesh)
+        )
+        live = describe_variables(model.variables)
+    finally:
+        keras.distribution.set_distribution(None)
+    shards = {p: described["shard_shape"] for p, described in live.items()}
+    assert shard_shapes(checked.rules, checked.mesh, live) == shards
+    assert math.prod(live[path]["shape"]) == ways * math.prod(shards[path])
 
 
 def test_the_plan_derives_each_layout_once(monkeypatch):

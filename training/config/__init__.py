@@ -71,7 +71,7 @@ from training.config.tracking import (
 )
 from training.config.trainer import TrainerConfig
 from training.gpus import MEM_FRACTION, Gpu, discover_gpus
-from training.tpus import count_tpu_chips, tpu_kind
+from training.tpus import count_tpu_chips, slice_device_memory, tpu_kind
 
 # plan.device_memory_gb where the device's own is not known here: an 80 GB GPU's.
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -231,7 +231,7 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
     cluster = run.cluster
     resolve = {LocalClusterConfig: resolve_local, InProcessClusterConfig: resolve_in_process}
     if type(cluster) not in resolve:
-        return _with_device_memory(run, None)
+        return _with_device_memory(run, _slice_device_memory_gb(cluster))
     gpus = discover_gpus() if cluster.platform in ("auto", "gpu") else []
     chips = count_tpu_chips() if cluster.platform in ("auto", "tpu") else 0
     settled = resolve[type(cluster)](cluster, gpus, chips)
@@ -253,6 +253,13 @@ def _device_memory_gb(cluster: LocalClusterConfig | InProcessClusterConfig, gpus
     if cluster.platform == "tpu" and (kind := tpu_kind()):
         return kind[1] / 1e9
     return None
+
+
+def _slice_device_memory_gb(cluster: RayClusterConfig) -> float | None:
+    """What one chip of the TPU slice `cluster.tpu_version` names may hold, in GB; None
+    where the cluster names none (or one of unknown chips)."""
+    found = slice_device_memory(cluster.tpu_version) if cluster.tpu_version else None
+    return None if found is None else found / 1e9
 
 
 def _with_device_memory(run: RunConfig, found_gb: float | None) -> RunConfig:

@@ -82,13 +82,23 @@ class MeshConfig:
 
 
 def checked_layout_rules(key: str, rules: Any) -> dict[str, list[str | None]]:
-    """Layout rules as given on the command line: pattern -> list of axis names or None."""
+    """Layout rules as given on the command line: pattern -> list of axis names or None per
+    dimension, or a list of names for a dimension split over several (hybrid + fsdp's
+    `[model, data]`)."""
     if rules is None:
         return {}
     require(isinstance(rules, dict), f"{key} must be a dict of pattern: [axis, ...]")
+
+    def names_axes(a) -> bool:
+        several = isinstance(a, list | tuple) and all(isinstance(n, str) for n in a)
+        return a is None or isinstance(a, str) or several
+
     for pattern, axes in rules.items():
         require(
-            isinstance(axes, list) and all(a is None or isinstance(a, str) for a in axes),
+            isinstance(axes, list) and all(names_axes(a) for a in axes),
             f"{key}: {pattern!r} must map to a list of mesh axis names or null, got {axes!r}",
         )
-    return {str(pattern): list(axes) for pattern, axes in rules.items()}
+    return {
+        str(pattern): [list(a) if isinstance(a, list | tuple) else a for a in axes]
+        for pattern, axes in rules.items()
+    }

@@ -289,6 +289,12 @@ def print_choice(choice, configured, console: Console) -> None:
         markup=False,
     )
     for candidate in choice.candidates:
+        if candidate.estimated_only:
+            console.print(
+                f"{candidate.override(configured)}: by its estimate ({candidate.estimated_only})",
+                markup=False,
+                soft_wrap=True,
+            )
         if candidate.refused:
             console.print(
                 f"{candidate.override(configured)}: the compiler refused it ({candidate.refused})",

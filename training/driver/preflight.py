@@ -19,8 +19,9 @@ from training.parallel.strategy import Strategy
 from training.planning import costs
 from training.planning.abstract import ModelKey, abstract_keras_model
 from training.planning.advice import advice, compiled_alternatives, ways_to_hold_less
-from training.planning.compiled import compile_ahead_of_time, compiles_here
+from training.planning.compiled import compile_ahead_of_time
 from training.planning.layout import resolve_layout
+from training.planning.target import compiles_here
 from training.recipe import compile_model
 from training.recipe.metrics import check_held_out_figure, check_metrics_fit
 from training.recipe.optimizer import check_updates_weights_of
@@ -69,7 +70,7 @@ def preflight(cfg: RunConfig, compiled: CompiledMemory | None = None) -> Checked
         None if strategy.replicates else layout.rules,
         count_parameters(model),
         model_flops_per_example(model, data_spec.positions_per_example),
-        tuple(w for w in [costs.untraced_warning(model)] if w),
+        (*layout.warnings, *(w for w in [costs.untraced_warning(model)] if w)),
     )
 
 
@@ -82,7 +83,9 @@ def check_memory_fits(
 ) -> None:
     """The memory per device for the configured strategy (compiled, or the plan's estimate)
     within plan.device_memory_gb. Where the estimate says it does not fit and this process
-    compiles the hosts' step, the compiler decides, and names what fits instead."""
+    compiles the hosts' step (a TPU slice's by libtpu, a host in this process, CPU hosts),
+    the compiler decides, and names what fits instead (a minute for a large model: only
+    where the estimate would refuse the run)."""
     why = costs.over_budget(cfg, model, mesh, per_host, compiled)
     if why and compiled is None and compiles_here(cfg, mesh):
         try:

@@ -9,7 +9,13 @@ What a model provides, the built-in ones and a user's own alike, is `training.co
 from training.models.abstract import abstract_model, without_weights
 from training.models.building import build_model, dtype_policy, variable_info
 from training.models.checks import check_labels_fit
-from training.models.layout import SPLIT_THRESHOLD_BYTES, layout_rules, rule_axes
+from training.models.layout import (
+    SPLIT_THRESHOLD_BYTES,
+    axis_names,
+    layout_rules,
+    rule_axes,
+    split_size,
+)
 from training.models.loss import build_loss
 from training.models.symbolic import symbolic_batch
 
@@ -22,6 +28,8 @@ __all__ = [
     "dtype_policy",
     "layout_rules",
     "rule_axes",
+    "axis_names",
+    "split_size",
     "symbolic_batch",
     "variable_info",
     "without_weights",

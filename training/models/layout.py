@@ -3,6 +3,7 @@ by `model.layout_rules`, overridden by `strategy.layout_rules`; the axes a rule 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -19,7 +20,28 @@ SPLIT_THRESHOLD_BYTES = 16 * 1024
 def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
     """The mesh axis (or None) per dimension of the first rule that full-matches `path`;
     () where none does (the variable or activation stays whole)."""
-    return next((tuple(axes) for pattern, axes in rules.items() if re.fullmatch(pattern, path)), ())
+    return next((tuple(axes) for pattern, axes in rules.items() if _matches(pattern, path)), ())
+
+
+@functools.cache
+def _matches(pattern: str, path: str) -> bool:
+    # fsdp writes a rule per variable: a large model's hundreds of patterns overflow re's own
+    # cache of 512, and each lookup would compile them all again (minutes for a 7 B plan).
+    return re.fullmatch(pattern, path) is not None
+
+
+def axis_names(axes) -> set[str]:
+    """The mesh axes a rule's axes name, a dimension split over several (`("model",
+    "data")`) naming each."""
+    return {
+        name for axis in axes for name in (axis if isinstance(axis, tuple | list) else (axis,))
+    } - {None}
+
+
+def split_size(axis, sizes: dict) -> int:
+    """Into how many pieces one dimension's entry (an axis, several, or None) cuts it."""
+    names = axis if isinstance(axis, tuple | list) else (axis,)
+    return int(np.prod([sizes[name] for name in names]))
 
 
 def layout_rules(

@@ -19,46 +19,82 @@ import re
 from collections.abc import Iterable
 
 from training import keras_compat
-from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
-from training.models import SPLIT_THRESHOLD_BYTES, rule_axes
+from training.models import SPLIT_THRESHOLD_BYTES, axis_names, rule_axes
 from training.parallel.dtypes import array_bytes
 
 DATA_AXIS = "data"
 
 
 def shard_over_data(
-    rules: LayoutRules, variables: Iterable[VariableInfo], data: int
-) -> LayoutRules:
+    rules: LayoutRules, variables: Iterable[VariableInfo], data: int, model: int = 1
+) -> tuple[LayoutRules, list[str]]:
     """`rules` (settled: each variable matched by one rule) with every variable above
     `SPLIT_THRESHOLD_BYTES` also split over a data axis of `data` devices, written as one
-    rule per variable (the form `model.layout_rules` takes)."""
+    rule per variable (the form `model.layout_rules` takes); and a warning naming each such
+    variable left whole over `data` (no dimension divides)."""
     sharded = {p: axes for p, axes in rules.items() if p.endswith(ACTIVATION_RULE_SUFFIX)}
+    whole = []
     for variable in variables:
         axes = rule_axes(variable.path, rules) or (None,) * len(variable.shape)
-        if data > 1 and _large(variable) and DATA_AXIS not in axes:
-            axes = _with_data_axis(variable, axes, data)
+        if data > 1 and _large(variable) and DATA_AXIS not in axis_names(axes):
+            axes = _with_data_axis(variable, axes, data, model)
+            if DATA_AXIS not in axis_names(axes):
+                whole.append(f"{variable.path} {list(variable.shape)}")
         if any(axes):
             sharded[re.escape(variable.path)] = tuple(axes)
-    return sharded
+    warnings = [
+        f"fsdp leaves {len(whole)} weight(s) above {SPLIT_THRESHOLD_BYTES // 1024} KiB whole "
+        f"over the data axis (mesh.data={data} divides none of their dimensions, split over "
+        f"`model` or not): {', '.join(whole)}"
+    ]
+    return sharded, warnings if whole else []
 
 
 def _large(variable: VariableInfo) -> bool:
     return array_bytes(variable.shape, variable.dtype) > SPLIT_THRESHOLD_BYTES
 
 
-def _with_data_axis(variable: VariableInfo, axes: tuple, data: int) -> tuple:
-    """`axes` with `data` on the largest dimension that is whole and that `data` divides."""
-    free = [d for d, size in enumerate(variable.shape) if axes[d] is None and size % data == 0]
-    if not free:
-        raise ConfigError(
-            f"fsdp splits every weight above {SPLIT_THRESHOLD_BYTES // 1024} KiB over the data "
-            f"axis (mesh.data={data}), which divides no dimension of {variable.path} "
-            f"{list(variable.shape)} that the layout leaves whole {list(axes)}: use a mesh.data "
-            "that divides one, or a strategy without fsdp"
+def _with_data_axis(variable: VariableInfo, axes: tuple, data: int, model: int) -> tuple:
+    """`axes` with `data` on the largest dimension that is whole and that `data` divides;
+    else on the largest split over `model` whose share `data` divides (`("model", "data")`);
+    else as they were."""
+    shape = variable.shape
+    free = [d for d, size in enumerate(shape) if axes[d] is None and size % data == 0]
+    if free:
+        dim = max(free, key=lambda d: shape[d])
+        return tuple(DATA_AXIS if d == dim else axis for d, axis in enumerate(axes))
+    split = [d for d, size in enumerate(shape) if axes[d] == "model" and size % (model * data) == 0]
+    if split:
+        dim = max(split, key=lambda d: shape[d])
+        return tuple(("model", DATA_AXIS) if d == dim else axis for d, axis in enumerate(axes))
+    return axes
+
+
+def yield_indivisible_data(
+    rules: LayoutRules, variables: Iterable[VariableInfo], data: int
+) -> tuple[LayoutRules, list[str]]:
+    """A model's own rules with `data` taken off each dimension the data axis does not divide
+    (keras-hub's put it on the heads), for fsdp to place instead: one rule per variable
+    where any is, with a warning naming them; `rules` as they were where none is."""
+    changed, per_variable = [], {}
+    for variable in variables:
+        axes = rule_axes(variable.path, rules)
+        kept = tuple(
+            None if axis == DATA_AXIS and size % data else axis
+            for size, axis in zip(variable.shape, axes, strict=False)
         )
-    dim = max(free, key=lambda d: variable.shape[d])
-    return tuple(DATA_AXIS if d == dim else axis for d, axis in enumerate(axes))
+        if axes:
+            per_variable[re.escape(variable.path)] = kept
+        if kept != tuple(axes):
+            changed.append(f"{variable.path} {list(variable.shape)} {list(axes)}")
+    if not changed:
+        return rules, []
+    activations = {p: a for p, a in rules.items() if p.endswith(ACTIVATION_RULE_SUFFIX)}
+    return {**per_variable, **activations}, [
+        f"the model's layout splits {len(changed)} weight(s) over the data axis on a dimension "
+        f"mesh.data={data} does not divide; fsdp places them instead: {', '.join(changed)}"
+    ]
 
 
 def gather_for_use(model) -> None:
@@ -101,10 +137,10 @@ def _gather(variable):
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = keras_compat.variable_sharding(variable)
-    if not isinstance(sharding, NamedSharding) or DATA_AXIS not in sharding.spec:
+    if not isinstance(sharding, NamedSharding) or DATA_AXIS not in axis_names(sharding.spec):
         return None
     whole_over_data = NamedSharding(
-        sharding.mesh, PartitionSpec(*(None if a == DATA_AXIS else a for a in sharding.spec))
+        sharding.mesh, PartitionSpec(*(_without_data(a) for a in sharding.spec))
     )
 
     @jax.custom_vjp
@@ -119,3 +155,11 @@ def _gather(variable):
 
     gather.defvjp(forward, backward)
     return gather
+
+
+def _without_data(axis):
+    """One dimension's entry of a PartitionSpec without the data axis."""
+    if isinstance(axis, tuple):
+        rest = tuple(a for a in axis if a != DATA_AXIS)
+        return rest[0] if len(rest) == 1 else (rest or None)
+    return None if axis == DATA_AXIS else axis

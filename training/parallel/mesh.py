@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from training import keras_compat
 from training.config import AUTO, ConfigError, MeshConfig, RunConfig
 from training.config.strategy import MODEL_LAYOUT
 from training.contracts import LayoutRules
@@ -105,9 +106,10 @@ def build_distribution(strategy: Strategy, grid: np.ndarray, layout_rules: dict)
         mesh = kd.DeviceMesh((grid.size,), ["data"], devices=grid.reshape(-1))
         return kd.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
     mesh = kd.DeviceMesh(grid.shape, ["data", "model"], devices=grid)
+    keras_compat.allow_several_axes_per_dimension()  # hybrid + fsdp's ("model", "data")
     layout_map = kd.LayoutMap(mesh)
     for pattern, axes in layout_rules.items():
-        layout_map[pattern] = tuple(axes)
+        layout_map[pattern] = tuple(tuple(a) if isinstance(a, list) else a for a in axes)
     return kd.ModelParallel(layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=False)
 
 

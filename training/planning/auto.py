@@ -5,10 +5,11 @@ The candidates are every strategy and mesh the cluster's devices allow
 (`costs.candidates`), with the configured `trainer.remat`. The analytic estimate ranks
 them by predicted step time without compiling; in that order, the promising ones (whose
 estimated memory is not far over the devices') are compiled ahead of time
-(`compiled.compile_ahead_of_time`: on the run's accelerator where it has one, else on
-simulated CPU devices) until one fits the devices' memory by the compiler's figure: the
-fastest that fits. Where none does, the same with more rematerialisation (`dots`, then
-`full`).
+(`compiled.compile_ahead_of_time`: for the run's TPU slice or on its accelerator where this
+machine has its compiler, else on simulated CPU devices) until one fits the devices' memory
+by the compiler's figure: the fastest that fits. A candidate whose weights are split over
+`data` is judged by its estimate where XLA:CPU stands in (`target.stand_in_wrong`). Where
+none does, the same with more rematerialisation (`dots`, then `full`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning.compiled import Compiled, compile_ahead_of_time
 from training.planning.costs import StrategyCost, abstract_model, candidates, strategy_cost
+from training.planning.target import stand_in_wrong
 
 # trainer.remat's settings, from the least recomputation to the most.
 REMAT_LEVELS = ("none", "dots", "full")
@@ -47,6 +49,9 @@ class Candidate:
     compiled: Compiled | None = None
     # Why the compiler gave no figure: it refused the step (out of memory), or failed.
     refused: str = ""
+    # Why it was not compiled: XLA:CPU, standing in for the run's compiler, is known wrong
+    # for it (`target.stand_in_wrong`); its estimate decides.
+    estimated_only: str = ""
 
     @property
     def strategy(self) -> str:
@@ -60,6 +65,8 @@ class Candidate:
         """By the compiled figure; None where the candidate was not compiled."""
         if self.refused:
             return False
+        if self.estimated_only:
+            return self.estimate.memory_bytes <= budget_bytes
         if self.compiled is None:
             return None
         return self.compiled.memory.needed <= budget_bytes
@@ -141,7 +148,8 @@ def _estimated(cfg: RunConfig, remat: str, spec) -> list[Candidate]:
         except ConfigError as error:  # a layout this mesh cannot take (fsdp's, the model's)
             refused.append(error)
             continue
-        found.append(Candidate(config, mesh, estimate))
+        unchecked = stand_in_wrong(config, estimate.rules, model.trainable) or ""
+        found.append(Candidate(config, mesh, estimate, estimated_only=unchecked))
     if refused and not found:  # not a layout's fault: the model and data do not go together
         raise refused[0]
     return found
@@ -162,6 +170,8 @@ def candidate_config(cfg: RunConfig, strategy: Strategy, mesh: MeshShape, remat:
 
 def _compiled(candidate: Candidate) -> Candidate:
     """The candidate with its compiled figures, or why the compiler gave none."""
+    if candidate.estimated_only:
+        return candidate
     try:
         return replace(candidate, compiled=compile_ahead_of_time(candidate.config, candidate.mesh))
     except OutOfDeviceMemory as error:  # an accelerator's compiler refuses what does not fit

@@ -6,16 +6,15 @@ build's variables hold (`measure_step`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from training import step
 from training.config import ConfigError, RunConfig
 from training.device_memory import out_of_memory_explained
-from training.models.remat import cpu_xla_flags
 from training.parallel.mesh import MeshShape, device_grid, settled
 from training.parallel.strategy import Strategy
 from training.planning import collectives
+from training.planning.target import target_devices
 from training.step import CompiledMemory
 
 
@@ -26,6 +25,7 @@ class Compiled:
 
     memory: CompiledMemory
     collectives: list[collectives.Collective]
+    device_kind: str  # of the devices it was compiled for ("TPU v5 lite", "cpu")
 
     @property
     def sent_bytes(self) -> float:
@@ -57,16 +57,19 @@ def as_hosts_get_it(cfg: RunConfig, mesh: MeshShape) -> RunConfig:
 def built_as_hosts_build(cfg: RunConfig, mesh: MeshShape):
     """The model and dataset as the hosts build them for `mesh`, on this process's first
     devices."""
+    import jax
+
     from training.build import build_on_grid
 
-    return build_on_grid(as_hosts_get_it(cfg, mesh), _grid(mesh))
+    return build_on_grid(as_hosts_get_it(cfg, mesh), _grid(jax.devices(), mesh))
 
 
 def compile_ahead_of_time(cfg: RunConfig, mesh: MeshShape) -> Compiled:
-    """The hosts' step for `mesh` compiled on this process's first devices from abstract
-    state: the model built as the hosts build it but without weights, so that a model whose
-    weights do not fit this machine compiles as quickly as a small one. Keras' distribution
-    and dtype policy are left as they were."""
+    """The hosts' step for `mesh` compiled from abstract state for the devices of the run's
+    compile target (`training.planning.target`: a TPU slice's, this machine's): the model
+    built as the hosts build it but without weights, so that a model whose weights do not
+    fit this machine compiles as quickly as a small one. Keras' distribution and dtype policy
+    are left as they were."""
     import keras
 
     from training import keras_compat, models
@@ -78,7 +81,8 @@ def compile_ahead_of_time(cfg: RunConfig, mesh: MeshShape) -> Compiled:
     keras_compat.reset_layer_names()
     try:
         with models.without_weights():
-            model, dataset = build_on_grid(settled, _grid(mesh))
+            grid = _grid(target_devices(cfg), mesh)
+            model, dataset = build_on_grid(settled, grid)
         return _compiled(model, dataset, cfg, mesh)
     finally:
         keras.distribution.set_distribution(distribution)
@@ -94,6 +98,7 @@ def measure_step(cfg: RunConfig, mesh: MeshShape) -> Measured:
     return Measured(
         compiled.memory,
         compiled.collectives,
+        compiled.device_kind,
         _shard_bytes(model.variables),
         _shard_bytes(model.optimizer.variables),
     )
@@ -107,18 +112,24 @@ def _compiled(model, dataset, cfg: RunConfig, mesh: MeshShape) -> Compiled:
         return step.shard_bytes(step.abstract_arguments(model, batch))
 
     # An accelerator's compiler refuses a step over its memory: OutOfDeviceMemory.
-    with out_of_memory_explained("by the compiler", held):
+    device = _device_kind()
+    with out_of_memory_explained("by the compiler", held, device):
         compiled = step.compile_ahead(model, cfg.trainer.accumulate, batch)
     return Compiled(
         step.compiled_memory(compiled, step.shard_bytes(batch)),
         collectives.from_hlo(compiled.as_text(), mesh.devices),
+        device,
     )
 
 
-def _grid(mesh: MeshShape):
-    import jax
+def _device_kind() -> str:
+    """The kind of the devices of the distribution the model was built under."""
+    from keras import distribution
 
-    devices = jax.devices()
+    return distribution.distribution().device_mesh.devices.flat[0].device_kind
+
+
+def _grid(devices: list, mesh: MeshShape):
     if len(devices) < mesh.devices:
         raise ConfigError(
             f"compiling the step for mesh {mesh.data}×{mesh.model} needs {mesh.devices} devices; "
@@ -126,37 +137,6 @@ def _grid(mesh: MeshShape):
             "before the plan with other settings: run it in a fresh process)"
         )
     return device_grid(devices[: mesh.devices], mesh)
-
-
-ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
-
-
-def compile_where_the_run_would(cfg: RunConfig) -> None:
-    """Compile on this machine's accelerator where the run's hosts would use it (a local or
-    in-process run on TPU or GPU), else on one simulated CPU device per device of the
-    cluster. Set before JAX first touches a device."""
-    import jax
-
-    on_this_machine = cfg.cluster.name in ("local", "inprocess")
-    if on_this_machine and cfg.cluster.platform in ACCELERATORS:
-        jax.config.update("jax_platforms", ACCELERATORS[cfg.cluster.platform])
-        return
-    devices = cfg.cluster.hosts * cfg.cluster.devices_per_host
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {cpu_xla_flags(max(devices, 1))}".strip()
-
-
-def compiles_here(cfg: RunConfig, mesh: MeshShape) -> bool:
-    """Whether a step compiled in this process is the hosts' own: the host is this process
-    (cluster=inprocess), or the hosts are CPU hosts and this process simulates enough CPU
-    devices for `mesh`. A driver never opens the accelerators its hosts hold."""
-    import jax
-
-    if cfg.cluster.name != "inprocess" and cfg.cluster.platform != "cpu":
-        return False
-    devices = jax.devices()
-    return devices[0].platform == cfg.cluster.platform and len(devices) >= mesh.devices
 
 
 def train_step_hlo(model, x, y) -> str:

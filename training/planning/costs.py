@@ -18,7 +18,7 @@ import numpy as np
 from training import models
 from training.config import AUTO, ConfigError, PlanConfig, RunConfig, StrategyConfig
 from training.contracts import DataSpec, LayoutRules, VariableInfo
-from training.models import rule_axes
+from training.models import axis_names, rule_axes, split_size
 from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
@@ -127,7 +127,7 @@ def candidates(
 def split_ways(path: str, rules: LayoutRules, mesh: MeshShape) -> int:
     """Into how many pieces the layout cuts a variable."""
     sizes = {"data": mesh.data, "model": mesh.model, None: 1}
-    return math.prod(sizes[axis] for axis in rule_axes(path, rules))
+    return math.prod(split_size(axis, sizes) for axis in rule_axes(path, rules))
 
 
 def devices_per_host(cfg: RunConfig) -> int:
@@ -307,7 +307,7 @@ def data_axis_collectives(
     before use and its gradient reduce-scattered back: each of the tensor as the model axis
     leaves it, its shard's bytes times mesh.data."""
     trainable = [v.path for v in model.variables if v.path in model.trainable]
-    sharded = [path for path in trainable if "data" in rule_axes(path, rules)]
+    sharded = [path for path in trainable if "data" in axis_names(rule_axes(path, rules))]
     replicated = sum(parameters[path] for path in trainable if path not in sharded)
     found = [Collective("all-reduce", replicated, mesh.data, "gradients")]
     for path in sharded:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from training import models
 from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
-from training.parallel.fsdp import shard_over_data
+from training.models import axis_names, split_size
+from training.parallel.fsdp import shard_over_data, yield_indivisible_data
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Rules, Strategy
 from training.planning import auto_layout
@@ -30,6 +31,8 @@ class Layout:
 
     pairs: tuple[tuple[str, tuple[str | None, ...]], ...]  # the rules, in their order
     derived: auto_layout.AutoLayout | None = None
+    # fsdp's: the model's own `data` splits it overrode, the weights it leaves whole
+    warnings: tuple[str, ...] = ()
 
     @property
     def rules(self) -> LayoutRules:
@@ -44,18 +47,22 @@ def resolve_layout(strategy: Strategy, mesh: MeshShape, model: ModelKey) -> Layo
         return Layout(())
     keras_model = abstract_keras_model(model)
     variables = [models.variable_info(v) for v in keras_model.variables]
-    derived = None
+    derived, warnings = None, []
     if strategy.rules is Rules.DERIVED:
         derived = _derived(model, mesh.model, strategy.user_rules)
         rules = derived.rules
     else:
         paths = [v.path for v in variables]
         rules = strategy.given_rules(model.model_config, mesh.as_tuple(), variables=paths)
+        if strategy.shards_over_data:
+            rules, warnings = yield_indivisible_data(rules, variables, mesh.data)
         check_layout_rules(rules, variables, mesh)
     rules = {**rules, **output_rules(keras_model, rules, mesh.model)}
     if strategy.shards_over_data:
-        rules = shard_over_data(rules, variables, mesh.data)
-    return Layout(tuple((pattern, tuple(axes)) for pattern, axes in rules.items()), derived)
+        rules, left_whole = shard_over_data(rules, variables, mesh.data, mesh.model)
+        warnings += left_whole
+    pairs = tuple((pattern, tuple(axes)) for pattern, axes in rules.items())
+    return Layout(pairs, derived, tuple(warnings))
 
 
 @functools.cache
@@ -93,11 +100,12 @@ def _check_split(pattern: str, axes: tuple, variable: VariableInfo, axis_sizes: 
             f"which has {len(variable.shape)} dimensions {list(variable.shape)}"
         )
     for dim, (size, axis) in enumerate(zip(variable.shape, axes, strict=True)):
-        if axis not in axis_sizes:
+        unknown = axis_names([axis]) - axis_sizes.keys()
+        if unknown:
             raise ConfigError(f"layout rule {pattern!r} names unknown mesh axis {axis!r}")
-        if size % axis_sizes[axis]:
+        if size % split_size(axis, axis_sizes):
             raise ConfigError(
                 f"layout rule {pattern!r} splits dimension {dim} of {variable.path} "
                 f"(size {size}, shape {list(variable.shape)}) over mesh.{axis}="
-                f"{axis_sizes[axis]}, which does not divide it"
+                f"{split_size(axis, axis_sizes)}, which does not divide it"
             )

@@ -110,9 +110,17 @@ def output_rules(model, rules: Rules, mesh_model: int) -> Rules:
 def _weight_gathers(model, rules: Rules, n: int) -> list[Collective]:
     found = []
     for variable in model.weights:
-        if "model" in rule_axes(variable.path, rules):
+        if "model" in model_axes(rule_axes(variable.path, rules)):
             found += gathered_weight(variable.path, array_bytes(variable.shape, variable.dtype), n)
     return found
+
+
+def model_axes(axes: tuple) -> tuple:
+    """A weight's axes as the step uses it: a dimension split over `model` and `data` at
+    once (hybrid + fsdp) is gathered over `data` before use, so split over `model` alone."""
+    return tuple(
+        "model" if isinstance(axis, tuple | list) and "model" in axis else axis for axis in axes
+    )
 
 
 def _split_dim(axes: tuple[str | None, ...]):
@@ -181,7 +189,7 @@ class RuleLayout:
     rules: Rules
 
     def weight_axes(self, weight, *contraction):
-        return rule_axes(weight.path, self.rules)
+        return model_axes(rule_axes(weight.path, self.rules))
 
     kernel_axes = table_axes = weight_axes
 

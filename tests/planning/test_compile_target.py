@@ -1,0 +1,93 @@
+"""Where the plan compiles the hosts' step (`training.planning.target`): for a TPU slice, by
+libtpu's own compiler for every chip of the slice, on this CPU machine, with no chip; where
+no compiler of the run's is here, XLA:CPU stands in only where its figures are known right.
+
+The TPU cases use a v5e 2x2 slice (4 chips, one TPU VM) and models of a few layers: each
+compile takes seconds of CPU."""
+
+import functools
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import run_config
+from training.config import ConfigError
+from training.driver.preflight import preflight
+from training.plan import make_plan, sized_for_the_plan
+from training.planning import target
+from training.planning.target import compile_target
+
+V5E_2X2 = [
+    "cluster=ray",
+    "cluster.platform=tpu",
+    "cluster.tpu_topology=2x2",
+    "cluster.tpu_version=v5litepod",
+]
+# One 4096 × 1M kernel, 16 GB in float32: over a v5e chip's HBM whole, with its Adam slots.
+TOO_LARGE = ["model=mlp", "model.kwargs.d_model=4096", "model.kwargs.hidden=1048576"]
+WIDE = ["model=wide_mlp", "model.kwargs.depth=1"]
+
+
+def slice_config(overrides: list[str]):
+    return sized_for_the_plan(run_config([*V5E_2X2, *overrides]))
+
+
+@functools.cache
+def slice_plan(overrides: tuple[str, ...]):
+    return make_plan(slice_config(list(overrides)), compile=True)
+
+
+def test_a_tpu_slice_is_sized_and_compiled_for_by_the_tpu_compiler():
+    """Ray's reckoning of the slice (1 VM of 4 chips), each chip's HBM as the budget, and a
+    step compiled for v5e devices whose collectives span the 4 chips."""
+    cfg = slice_config(["model=mlp", "strategy=fsdp"])
+    assert (cfg.cluster.hosts, cfg.cluster.devices_per_host) == (1, 4)
+    assert cfg.plan.device_memory_gb == pytest.approx(15.75 * 2**30 / 1e9, rel=1e-3)
+    compiled = slice_plan(("model=mlp", "strategy=fsdp")).compiled
+    assert compiled.device_kind == "TPU v5 lite"
+    assert {c.group for c in compiled.collectives} == {4}
+
+
+def test_the_tpu_compilers_refusal_is_the_plans_answer():
+    """A step over a v5e chip's HBM is refused by libtpu itself (XLA:CPU, which the plan
+    compiled on before, has no limit), in the chip's own words."""
+    plan = slice_plan((*TOO_LARGE, "strategy=data_parallel"))
+    assert plan.compiled is None
+    assert plan.refused.device == "TPU v5 lite"
+    assert "exceeds available HBM (15.75G)" in str(plan.refused)
+
+
+def test_preflight_of_a_slice_lets_the_tpu_compiler_overrule_the_estimate():
+    """An estimate over plan.device_memory_gb is checked by compiling for the slice: a step
+    the compiler fits starts, and one it refuses stops with the compiler's figure."""
+    wide = slice_config([*WIDE, "strategy=fsdp"])
+    compiled = slice_plan((*WIDE, "strategy=fsdp")).compiled.memory.needed
+    estimate = slice_plan((*WIDE, "strategy=fsdp")).configured.memory_bytes
+    assert estimate > 1.05 * compiled  # the case this test needs
+    budget = 1.02 * compiled / 1e9
+    preflight(replace(wide, plan=replace(wide.plan, device_memory_gb=budget)))
+    with pytest.raises(ConfigError, match="HBM"):
+        preflight(slice_config([*TOO_LARGE, "strategy=data_parallel"]))
+
+
+def test_without_libtpu_xla_cpu_stands_in_but_not_for_weights_split_over_data(monkeypatch):
+    """No TPU compiler here: XLA:CPU compiles a data-parallel step for the slice, and leaves
+    an fsdp step to the estimate, saying why (it keeps whole gradients)."""
+    monkeypatch.setattr(target, "has_tpu_compiler", lambda: False)
+    assert compile_target(slice_config(["model=mlp"])).stands_in
+    data_parallel = make_plan(slice_config(["model=mlp", "strategy=data_parallel"]), compile=True)
+    assert data_parallel.compiled.device_kind == "cpu"
+    fsdp = make_plan(slice_config(["model=mlp", "strategy=fsdp"]), compile=True)
+    assert fsdp.compiled is None
+    assert any("XLA:CPU" in w and "whole" in w for w in fsdp.warnings)
+
+
+def test_a_gpu_cluster_planned_from_cpu_is_compiled_only_where_xla_cpu_is_right():
+    gpus = ["cluster=ray", "cluster.platform=gpu", "cluster.hosts=2", "cluster.devices_per_host=2"]
+    cfg = run_config([*gpus, "model=mlp", "strategy=fsdp"])
+    assert compile_target(cfg).stands_in
+    plan = make_plan(cfg, compile=True)
+    assert plan.compiled is None
+    assert any("no gpu compiler here" in w for w in plan.warnings)
+    cpu = run_config(["model=mlp", "strategy=fsdp", "cluster.hosts=1"])
+    assert not compile_target(cpu).stands_in  # a CPU run: XLA:CPU is its own compiler
