@@ -40,12 +40,13 @@ def loaded_export(url: str, local) -> keras.Model:
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_two_hosts_checkpoint_to_gcs_lose_one_and_resume_as_one_whole_run(
-    tmp_path, gcs, ray_cluster
+    tmp_path, ray_cluster, gcs
 ):
     """The data read from gs://, checkpoints written there every 2 steps by both hosts
     (tensorstore for the arrays, gcsfs for the rest); host 1 or 0 killed after step 3; a
     fresh pair resumes from the bucket. The reference reads the file on disk and saves
-    nothing."""
+    nothing. Ray first (run alone): the hosts find the bucket only where the run passes on
+    the endpoints."""
     local = token_file(tmp_path)
     data = upload(local, f"{gcs}/resume/train.bin")
     whole = run_training(
