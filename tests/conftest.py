@@ -105,6 +105,26 @@ def ray_cluster():
     ray.shutdown()
 
 
+# One server of each for the session: fsspec caches its clients, each with the endpoint it
+# found first.
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """s3://training-data on moto's server (tests/object_storage.py)."""
+    from tests.object_storage import s3_bucket
+
+    with s3_bucket(tmp_path_factory.mktemp("s3")) as bucket:
+        yield bucket
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """gs://training-data on fake-gcs-server (tests/object_storage.py)."""
+    from tests.object_storage import gcs_bucket
+
+    with gcs_bucket(tmp_path_factory.mktemp("gcs")) as bucket:
+        yield bucket
+
+
 def alive_actors(class_name: str | None = None) -> list:
     import ray
     from ray.util.state import list_actors

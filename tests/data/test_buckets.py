@@ -1,29 +1,28 @@
 """Data in buckets: token ids and JSON lines read from S3 (moto's server) and GCS
-(gcp-storage-emulator) by byte ranges give the batches, fingerprint and training of the same
+(fake-gcs-server) by byte ranges give the batches, fingerprint and training of the same
 files on disk; what is missing or unsupported is one error before any host starts."""
 
 import numpy as np
 import pytest
 
 from tests.conftest import FAST, run_config
-from tests.object_storage import gcs_bucket, s3_bucket, upload
+from tests.object_storage import upload, without_gcsfs
 from training.config import ConfigError, JsonlDataConfig, TokenDataConfig
 from training.data import build_dataset, storage
 from training.driver.checked import check_sizes
 
 TOKENS = 20_000
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with s3_bucket(tmp_path_factory.mktemp("s3")) as bucket:
-        yield bucket
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    with gcs_bucket(tmp_path_factory.mktemp("gcs")) as bucket:
-        yield bucket
+# A small transformer on token ids (the data that buckets hold).
+TOKEN_MODEL = [
+    "model=transformer",
+    "data=tokens",
+    "data.vocab_size=256",
+    "model.seq_len=32",
+    "model.kwargs.layers=1",
+    "model.kwargs.d_model=32",
+    "model.kwargs.heads=2",
+    "model.kwargs.d_ff=64",
+]
 
 
 def token_file(tmp_path, name="train.bin"):
@@ -60,7 +59,6 @@ def test_token_windows_from_a_bucket_are_the_files_own(tmp_path, bucket, request
     same_batches(on_disk, remote, "held_out", 2, slice(0, 16))
 
 
-@pytest.mark.slow
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
     """The line index is streamed once (in blocks smaller than the file here), then each
     host reads its own lines by ranges: the same batches, tokenized, as the file on disk."""
@@ -95,13 +93,7 @@ def test_what_is_missing_in_a_bucket_is_one_error_before_the_hosts(tmp_path, s3)
 
 
 def test_a_missing_bucket_package_is_named(monkeypatch):
-    import fsspec
-
-    def not_installed(protocol, **kwargs):  # what fsspec raises for a package not installed
-        raise ImportError(f"Install gcsfs to access Google Storage ({protocol})")
-
-    monkeypatch.setattr(fsspec, "filesystem", not_installed)
-    monkeypatch.setattr(storage, "bucket_filesystem", storage.bucket_filesystem.__wrapped__)
+    without_gcsfs(monkeypatch)
     with pytest.raises(ConfigError, match="needs the `gcsfs` package"):
         storage.object_size("gs://bucket/train.bin", "data.path")
 
@@ -114,17 +106,7 @@ def test_two_hosts_train_from_a_bucket_as_from_the_file(tmp_path, s3, ray_cluste
 
     local = token_file(tmp_path)
     url = upload(local, f"{s3}/run/train.bin")
-    common = [
-        "model=transformer",
-        "data=tokens",
-        "data.vocab_size=256",
-        "model.seq_len=32",
-        "model.kwargs.layers=1",
-        "model.kwargs.d_model=32",
-        "model.kwargs.heads=2",
-        "model.kwargs.d_ff=64",
-        *FAST,
-    ]
+    common = [*TOKEN_MODEL, *FAST]
     on_disk = run_training(run_config([*common, f"data.path={local}"]), tmp_path / "disk")
     remote = run_training(run_config([*common, f"data.path={url}"]), tmp_path / "bucket")
     assert remote["status"] == on_disk["status"] == "completed"

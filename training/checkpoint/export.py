@@ -7,7 +7,9 @@ numpy array; a variable split over several hosts' devices is gathered for it the
 time (a collective every host joins, in the same order, since every host saves the same
 model), so a host holds at most its own shards plus one whole variable. Host 0 writes the
 file under a temporary name in the target directory and renames it into place: a crash
-mid-write leaves no half file. The other hosts' copies go to a temporary directory.
+mid-write leaves no half file. The other hosts' copies go to a temporary directory. A bucket
+URL (gs://, s3://): Keras writes to files, so host 0 writes to a local temporary directory
+and uploads that through fsspec (gcsfs, s3fs), each file one object.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import tempfile
 from contextlib import contextmanager
 
 from training import keras_compat
+from training.config import url_scheme
+from training.data.storage import bucket_filesystem
 
 
 def gathered(array):
@@ -71,15 +75,16 @@ def written_from_host_0(path: str):
     import jax
 
     writer = jax.process_index() == 0
-    directory = os.path.dirname(os.path.abspath(path))
-    if writer:
+    bucket = url_scheme(path) is not None
+    directory = os.path.dirname(path if bucket else os.path.abspath(path))
+    if writer and not bucket:
         os.makedirs(directory, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=directory if writer else None)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=directory if writer and not bucket else None)
     try:
         staged = os.path.join(staging, os.path.basename(path))
         yield staged
         if writer:
-            _replace(staged, path)
+            (_upload if bucket else _replace)(staged, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -96,3 +101,12 @@ def _replace(staged: str, path: str) -> None:
     os.replace(path, os.path.join(old, "old"))
     os.replace(staged, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _upload(staged: str, url: str) -> None:
+    """Upload `staged` (a file or a directory) to the bucket URL `url`, in place of what is
+    there."""
+    fs = bucket_filesystem(url_scheme(url))
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+    fs.put(staged, url, recursive=os.path.isdir(staged))

@@ -1,7 +1,10 @@
 """Where checkpoints live, and the orbax manager that reads and writes them there.
 
-`checkpoint.dir` is storage every host reaches, a shared filesystem path or a bucket URL
-(gs://, s3://) kept as a URL (`etils.epath`, which orbax uses; never `pathlib`).
+`checkpoint.dir` is storage every host reaches, a shared filesystem path or a gs:// bucket
+URL kept as a URL (`etils.epath`, which orbax uses; never `pathlib`). In a bucket orbax
+writes two ways: its arrays through tensorstore's own GCS client (endpoint:
+`TENSORSTORE_GCS_HTTP_URL`), everything else (its JSON, listing, renames, deletions) through
+etils.epath on gcsfs and google-cloud-storage (endpoint: `STORAGE_EMULATOR_HOST`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import os
 import secrets
 import tempfile
 
-from training.config import CheckpointConfig, ConfigError, url_scheme
+from training.config import CheckpointConfig, ConfigError, ExportConfig, url_scheme
+from training.data.storage import bucket_filesystem
 
 STATE, RECORD = "state", "record"
 PROBE_PREFIX = ".write-probe-"
@@ -24,8 +28,12 @@ def checkpoint_path(directory: str):
     """`checkpoint.dir` as orbax takes it: an `etils.epath.Path`; a bucket URL stays a URL
     (gs://bucket/run, not ./gs:/bucket/run), a filesystem path is made absolute."""
     from etils import epath
+    from etils.epath import backend
 
     if url_scheme(directory):
+        # gcsfs keeps each listing it made for the life of the process: the driver, which
+        # lists checkpoint.dir again after the hosts wrote there, would see the old steps.
+        backend.fsspec_backend.fs(directory).invalidate_cache()
         return epath.Path(directory)
     return epath.Path(os.path.abspath(os.path.expanduser(directory)))
 
@@ -99,13 +107,53 @@ def probe_writable(directory) -> str | None:
     return None
 
 
-def check_writable(directory) -> None:
-    """Raise a ConfigError if this process cannot write in `directory`."""
+def check_writable(directory, what: str = "checkpoint.dir") -> None:
+    """Raise a ConfigError if this process cannot write in `directory` (config key `what`)."""
     if error := probe_writable(directory):
         raise ConfigError(
-            f"checkpoint.dir={directory} is not writable ({error}); every host must be able "
-            "to write there"
+            f"{what}={directory} is not writable ({error}); every host must be able to write there"
         )
+
+
+def check_bucket_destinations(checkpoint: CheckpointConfig, export: ExportConfig) -> None:
+    """checkpoint.dir and export.dir where they are bucket URLs: the client package there,
+    and a tiny object written and removed (credentials, the bucket, permissions), each
+    failure one error before any host starts; for checkpoints in GCS, both of orbax's
+    clients pointed at the same server."""
+    destinations = {"checkpoint.dir": checkpoint.dir}
+    if export.enabled:
+        destinations["export.dir"] = export.dir
+    for what, url in destinations.items():
+        if scheme := url_scheme(url):
+            bucket_filesystem(scheme)
+            if scheme == "gs" and what == "checkpoint.dir":
+                check_gcs_endpoints(os.environ)
+            check_writable(url, what)
+
+
+def check_gcs_endpoints(environ) -> None:
+    """A checkpoint whose JSON went to one GCS server and its arrays to another would be
+    unreadable: STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage) and
+    TENSORSTORE_GCS_HTTP_URL (tensorstore) name the same server, or neither is set."""
+    files, arrays = (environ.get(k, "") for k in ("STORAGE_EMULATOR_HOST", GCS_ARRAYS_ENDPOINT))
+    if _server(files) != _server(arrays):
+        raise ConfigError(
+            f"checkpoint.dir: STORAGE_EMULATOR_HOST={files or '(unset)'} but "
+            f"{GCS_ARRAYS_ENDPOINT}={arrays or '(unset)'}; orbax writes a checkpoint's arrays "
+            "through tensorstore, which follows the second, and the rest through gcsfs, which "
+            "follows the first: set both to the same server"
+        )
+
+
+GCS_ARRAYS_ENDPOINT = "TENSORSTORE_GCS_HTTP_URL"
+
+
+def _server(endpoint: str) -> str:
+    """An endpoint as its clients reach it: gcsfs takes STORAGE_EMULATOR_HOST without a
+    scheme as http://."""
+    if endpoint and "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    return endpoint.rstrip("/")
 
 
 def directory_bytes(cfg: CheckpointConfig, step: int) -> int | None:
@@ -118,6 +166,8 @@ def directory_bytes(cfg: CheckpointConfig, step: int) -> int | None:
                 for folder, _, names in os.walk(os.fspath(root))
                 for name in names
             )
-        return sum(p.stat().length for p in root.rglob("*") if p.is_file())
+        bucket = bucket_filesystem(url_scheme(cfg.dir))
+        bucket.invalidate_cache()  # listings made before the hosts wrote this step
+        return int(bucket.du(str(root)))
     except Exception:
         return None

@@ -14,9 +14,10 @@ from training.config.common import require, require_held_out_figure
 class CheckpointConfig:
     """Sharded checkpoints of the whole training state; an empty `dir` turns them off."""
 
-    # A directory every host reaches: a shared filesystem path, or a bucket URL (gs://,
-    # s3://). A run whose dir already holds a checkpoint resumes from the newest one. A
-    # relative path is made absolute here, on the driver, before the config goes to hosts.
+    # A directory every host reaches: a shared filesystem path, or a gs:// bucket URL (not
+    # s3://: see UNWRITABLE_URL_SCHEMES). A run whose dir already holds a checkpoint resumes
+    # from the newest one. A relative path is made absolute here, on the driver, before the
+    # config goes to hosts.
     dir: str = ""
     interval: int = 50  # steps between checkpoints; the last step and a preemption save too
     keep: int = 3  # the newest this many are kept, older ones deleted
@@ -32,6 +33,10 @@ class CheckpointConfig:
         require(self.interval >= 1, "checkpoint.interval must be >= 1")
         require(self.keep >= 1, "checkpoint.keep must be >= 1")
         scheme = url_scheme(self.dir)
+        require(
+            scheme not in UNWRITABLE_URL_SCHEMES,
+            f"checkpoint.dir={self.dir!r}: {UNWRITABLE_URL_SCHEMES.get(scheme)}",
+        )
         require(
             scheme in (None, *CHECKPOINT_URL_SCHEMES),
             f"checkpoint.dir={self.dir!r}: {scheme}:// is not a storage orbax writes to; give "
@@ -54,7 +59,13 @@ class CheckpointConfig:
 
 
 # Bucket URLs orbax (tensorstore for the arrays, etils.epath for the rest) writes to.
-CHECKPOINT_URL_SCHEMES = ("gs", "s3")
+CHECKPOINT_URL_SCHEMES = ("gs",)
+# Bucket URLs orbax does not write checkpoints to, and why: orbax 0.12's array writer takes
+# gs:// or an absolute path (tensorstore_utils: "Checkpoint path should be absolute").
+UNWRITABLE_URL_SCHEMES = {
+    "s3": "orbax 0.12 does not write checkpoints to s3:// (its S3 support is the unmerged "
+    "google/orbax#2739); give a gs:// URL or a path every host shares",
+}
 # What a checkpoint's record says a resume must match (training.checkpoint.record.resume_record).
 RECORD_ROOTS = (
     "model",

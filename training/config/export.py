@@ -10,6 +10,9 @@ from typing import Optional
 from training.config.checkpoint import url_scheme
 from training.config.common import require
 
+# Bucket URLs an export is uploaded to (training.checkpoint.export).
+EXPORT_URL_SCHEMES = ("gs", "s3")
+
 EXPORT_FILE = "model.keras"
 SHARDED_EXPORT = "model"  # a directory: model.json, model.weights.json and its shards
 PRESET_EXPORT = "preset"  # a keras-hub model's: a preset directory
@@ -25,9 +28,10 @@ class ExportConfig:
     a keras-hub preset directory `preset/` (or its LoRA weights alone)."""
 
     enabled: bool = True
-    # A directory host 0 writes and the driver's user reads. Empty: the run's own directory
-    # on a local cluster; on a Ray cluster, checkpoint.dir (hosts' nodes and the driver's
-    # machine share it), else nothing is exported.
+    # A directory host 0 writes and the driver's user reads, or a gs:// or s3:// bucket URL
+    # (written on host 0's disk, then uploaded). Empty: the run's own directory on a local
+    # cluster; on a Ray cluster, checkpoint.dir where it is a path (hosts' nodes and the
+    # driver's machine share it), else nothing is exported.
     dir: str = ""
     # A model too large to hold whole in one host's memory: its weights written as shards
     # of at most this many GB (Keras' `save_weights(max_shard_size=...)`) with its
@@ -42,12 +46,13 @@ class ExportConfig:
             self.max_shard_gb is None or self.max_shard_gb > 0,
             "export.max_shard_gb must be > 0 (or null for one model.keras)",
         )
+        scheme = url_scheme(self.dir)
         require(
-            url_scheme(self.dir) is None,
-            f"export.dir={self.dir!r}: give a filesystem path (a shared one on a cluster); "
-            "Keras writes model.keras to files",
+            scheme in (None, *EXPORT_URL_SCHEMES),
+            f"export.dir={self.dir!r}: {scheme}:// is not a storage this writes to; give a "
+            "filesystem path (a shared one on a cluster) or a gs:// or s3:// URL",
         )
-        if self.dir:
+        if self.dir and scheme is None:
             self.dir = os.path.abspath(os.path.expanduser(self.dir))
 
     def path(self, keras_hub: bool = False) -> str | None:

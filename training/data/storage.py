@@ -5,7 +5,9 @@ blocks).
 
 Endpoints and credentials come from each library's standard variables, so that a test or a
 private cloud can point elsewhere: `AWS_ENDPOINT_URL` and the AWS credential chain for S3
-(botocore, under s3fs); `STORAGE_EMULATOR_HOST` and Google's default credentials for GCS.
+(botocore, under s3fs); `STORAGE_EMULATOR_HOST` and Google's default credentials for GCS;
+`TENSORSTORE_GCS_HTTP_URL` for the checkpoints' arrays, which orbax writes through
+tensorstore's own GCS client.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ENDPOINT_VARIABLES = (
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
     "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
 )
 # The datasets that read their files from buckets too.
 READS_BUCKETS = ("tokens", "jsonl")
@@ -123,7 +126,7 @@ def bucket_filesystem(scheme: str):
     except ImportError:
         package = BUCKET_PACKAGES[scheme]
         raise ConfigError(
-            f"{scheme}:// data needs the `{package}` package (pip install {package}, or "
+            f"{scheme}:// storage needs the `{package}` package (pip install {package}, or "
             "pip install -e '.[buckets]')"
         ) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from training.checkpoint.storage import check_bucket_destinations
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.common import names_object
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
@@ -43,10 +44,12 @@ class Checked:
 
 def check_sizes(cfg: RunConfig) -> MeshShape:
     """The instant checks: the modules the config names exist, the data's bucket objects
-    are there, the mesh against the cluster, the batch against the mesh."""
+    are there, the buckets checkpoints and the export go to are writable, the mesh against
+    the cluster, the batch against the mesh."""
     for key, path in named_objects(cfg):
         check_found(key, path)
     check_data_files(cfg.data)
+    check_bucket_destinations(cfg.checkpoint, cfg.export)
     hosts, per_host = cfg.cluster.hosts, cfg.cluster.devices_per_host
     mesh = resolve_mesh(Strategy.of(cfg.strategy), cfg.mesh, hosts, per_host)
     check_global_batch(cfg.trainer, mesh, hosts)

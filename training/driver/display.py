@@ -199,7 +199,7 @@ def print_summary(summary: dict, console: Console) -> None:
     if "checkpoint_step" in summary:
         lines.append(
             f"checkpoint: step {summary['checkpoint_step']} in {summary['checkpoint_dir']} "
-            f"({summary['checkpoint_bytes']:,} bytes) · resumed from step "
+            f"({_stored_bytes(summary['checkpoint_bytes'])}) · resumed from step "
             f"{summary['resumed_from_step']} · {_count(summary['restarts'], 'restart')}"
         )
     console.print("\n".join(lines), highlight=False, soft_wrap=True)
@@ -308,3 +308,8 @@ def print_choice(choice, configured, console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _stored_bytes(count: int | None) -> str:
+    """A checkpoint's bytes in storage; None where the driver could not list them."""
+    return "size unknown" if count is None else f"{count:,} bytes"
