@@ -3,6 +3,7 @@ is on Ray; the hosts' check of the compiled step against the device's memory; th
 throughput figures and the profile a run writes."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -197,13 +198,17 @@ def test_a_devices_out_of_memory_error_carries_its_figures(message, needed, limi
         raise ValueError("not about memory")
 
 
-def test_the_in_process_host_refuses_a_jax_started_with_other_devices():
+def test_the_in_process_host_refuses_a_jax_started_with_other_devices(monkeypatch):
     import jax
 
     from training.config import InProcessClusterConfig
     from training.host.in_process import InProcessHost
 
     jax.devices()  # started with the session's 8 devices, whichever test comes first
+    # The host sets its devices' environment in this process: restored after the test, or
+    # the processes later tests start would simulate its 4 devices.
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(key, os.environ[key])
     host = InProcessHost(InProcessClusterConfig(platform="cpu", devices_per_host=4))
     with pytest.raises(ConfigError, match="this process's JAX holds 8 cpu device"):
         host.check_devices()
@@ -221,7 +226,7 @@ def test_the_plan_compiles_the_step_the_hosts_run(capsys):
 
     assert plan.main([*IN_PROCESS, "plan.compile=true"]) == 0
     printed = capsys.readouterr().out
-    assert "compiled on 8 cpu device(s), per device" in printed
+    assert "compiled on 8 cpu device(s) of this machine, per device" in printed
     assert "the hosts' step" in printed
     state = re.search(r"state \(weights, optimizer\)\s+\S+ \S+\s+\S+ \S+\s+([\d.]+)", printed)
     assert 0.95 <= float(state.group(1)) <= 1.0, printed

@@ -64,7 +64,8 @@ def test_preflight_the_plan_and_the_hosts_build_lay_the_model_out_alike(override
 # give way to fsdp's placement. Each laid out as the hosts' build (Keras, JAX) holds it.
 TWO_AXES = {
     "transformer-bias-over-model-and-data": (
-        ["model=transformer", "data=text", "model.kwargs.d_ff=8192", "strategy=hybrid"],
+        ["model=transformer", "data=text", "model.kwargs.d_ff=8192", "model.kwargs.heads=8"]
+        + ["strategy=hybrid"],
         "block_0_mlp_up/bias",
         8,
         "",
