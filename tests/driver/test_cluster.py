@@ -607,6 +607,7 @@ assert accepted, why
 """
 
 
+@pytest.mark.slow
 def test_ray_draining_a_hosts_node_checkpoints_every_host_at_one_step(tmp_path):
     """Ray drains one host's node (a spot node taken back, as the autoscaler or KubeRay
     does): every host saves at one step, and the summary names the drain."""

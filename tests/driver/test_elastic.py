@@ -57,6 +57,7 @@ def test_a_model_axis_spread_over_hosts_cannot_shrink():
 
 
 @pytest.mark.timeout(600)  # two runs and the reference, each in its process
+@pytest.mark.slow
 def test_a_run_resumed_on_half_the_devices_with_twice_the_accumulation_trains_as_before(
     tmp_path,
 ):

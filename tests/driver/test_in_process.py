@@ -147,6 +147,7 @@ def test_a_step_over_the_budget_is_one_error_and_every_change_it_names_trains(tm
         assert summary["step_memory_bytes"] == pytest.approx(float(figure) * 1e6, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_step_the_estimate_fits_and_the_compiler_does_not_stops_on_the_host(tmp_path):
     """At 7 MB the estimate (6.3 MB) fits and the compiled step (7.9 MB) does not: the host
     refuses it before its first step, against plan.device_memory_gb, and the error names the

@@ -136,6 +136,7 @@ def test_trials_run_as_separate_host_groups_two_at_once_and_a_bad_one_fails_alon
     assert "step 150/150" in result.stdout  # each trial's progress reaches the terminal
 
 
+@pytest.mark.slow
 def test_optuna_searches_for_the_lowest_loss_through_the_same_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result, sweep_dir = sweep(

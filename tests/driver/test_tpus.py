@@ -144,6 +144,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_a_tpu_slice_is_reserved_whole_and_its_hosts_numbered_as_its_vms(tmp_path):
     """A v4 slice of 2 VMs × 4 chips (2x2x2): one host per VM through Ray's own slice
     reservation, host h on the VM of TPU worker id h (the VMs were added in the reverse

@@ -57,6 +57,7 @@ def test_the_tpu_compilers_refusal_is_the_plans_answer():
     assert "exceeds available HBM (15.75G)" in str(plan.refused)
 
 
+@pytest.mark.slow
 def test_preflight_of_a_slice_lets_the_tpu_compiler_overrule_the_estimate():
     """An estimate over plan.device_memory_gb is checked by compiling for the slice: a step
     the compiler fits starts, and one it refuses stops with the compiler's figure."""
