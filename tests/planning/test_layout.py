@@ -33,6 +33,17 @@ def shard_shapes(rules, mesh, variables) -> dict[str, list[int]]:
     return shapes
 
 
+def live_variables(cfg, checked) -> dict:
+    """The variables of the model the hosts build from what preflight settled, described."""
+    try:
+        model, _ = build_on_grid(
+            with_layout(cfg, checked), device_grid(jax.devices(), checked.mesh)
+        )
+        return describe_variables(model.variables)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -44,13 +55,7 @@ def test_preflight_the_plan_and_the_hosts_build_lay_the_model_out_alike(override
     cfg = run_config([*TWO_HOSTS, *overrides])
     checked = preflight(cfg)
     planned = make_plan(cfg).configured
-    try:
-        model, _ = build_on_grid(
-            with_layout(cfg, checked), device_grid(jax.devices(), checked.mesh)
-        )
-        live = describe_variables(model.variables)
-    finally:
-        keras.distribution.set_distribution(None)
+    live = live_variables(cfg, checked)
     shards = {path: described["shard_shape"] for path, described in live.items()}
     assert any(live[path]["shape"] != shard for path, shard in shards.items()), "nothing split"
     assert shard_shapes(checked.rules, checked.mesh, live) == shards
@@ -88,13 +93,7 @@ def test_hybrid_fsdp_splits_over_both_axes_and_overrides_a_models_indivisible_da
     )
     checked = preflight(cfg)
     assert not warned or any(warned in w for w in checked.warnings)
-    try:
-        model, _ = build_on_grid(
-            with_layout(cfg, checked), device_grid(jax.devices(), checked.mesh)
-        )
-        live = describe_variables(model.variables)
-    finally:
-        keras.distribution.set_distribution(None)
+    live = live_variables(cfg, checked)
     shards = {p: described["shard_shape"] for p, described in live.items()}
     assert shard_shapes(checked.rules, checked.mesh, live) == shards
     assert math.prod(live[path]["shape"]) == ways * math.prod(shards[path])
