@@ -20,9 +20,9 @@ process running the hand-written loop (`jit_process`); neither uses a compilatio
 With OUT set the results are also written to $OUT/accelerator_loops.json, after each
 workload.
 
-Targets (issues 35, 43): host loop <= 1.02 x the jit loop and <= 1.00 x Keras fit; MFU
->= 0.56 (86 M), >= 0.60 (302 M), >= 0.58 / 0.50 / 0.45 (LoRA at 512 / 2048 / 4096, 4NT +
-attention); first step <= 1.05 x. `--loops` runs only the loops named.
+Targets (issues 35, 43): host loop <= 1.01 x the jit loop (the same attention) and
+<= 1.00 x Keras fit; MFU >= 0.56 (86 M), >= 0.60 (302 M), >= 0.58 / 0.50 / 0.45 (LoRA at
+512 / 2048 / 4096, 4NT + attention); first step <= 1.05 x. `--loops` runs only the loops named.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ TARGETS = {  # MFU
     "llama-lora-2048": 0.50,
     "llama-lora-4096": 0.45,
 }
-AGAINST = {"jit loop": "<= 1.02", "keras fit": "<= 1.00"}  # the host loop's step over theirs
+AGAINST = {"jit loop": "<= 1.01", "keras fit": "<= 1.00"}  # the host loop's step over theirs
 
 
 # ---- the three loops -------------------------------------------------------------------
