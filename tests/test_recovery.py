@@ -402,9 +402,10 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_as_
         {"data": 4, "model": 1},
         2,
     )
-    assert summary["hosts"] == 2 and summary["rows_fed_checked_steps"] == len(
-        summary["logged_steps"]
-    )
+    # Every logged step's rows were checked, on 4 hosts and then on 2; a step logged before
+    # the kill, after the newest checkpoint, is trained (and checked) again after the resume.
+    logged = len(summary["logged_steps"])
+    assert summary["hosts"] == 2 and logged <= summary["rows_fed_checked_steps"] <= logged + 2
     assert f"mesh changed from step {shrunk['step']}: 2 hosts" in (tmp_path / RUN_LOG).read_text()
     (reference,) = single_device_losses(CHECKPOINTED)
     np.testing.assert_allclose(summary["loss_history"], reference, rtol=1e-4)
