@@ -76,6 +76,7 @@ def test_two_hosts_checkpoint_to_gcs_lose_one_and_resume_as_one_whole_run(
     assert model.count_params() == whole["parameters"]
 
 
+@pytest.mark.slow
 def test_an_export_to_s3_is_uploaded_whole(tmp_path, s3):
     """One host in this process reads its data from s3:// and exports the model there, in
     shards (a directory of objects): the files Keras wrote, each one object."""

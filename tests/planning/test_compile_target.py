@@ -48,6 +48,7 @@ def test_a_tpu_slice_is_sized_and_compiled_for_by_the_tpu_compiler():
     assert {c.group for c in compiled.collectives} == {4}
 
 
+@pytest.mark.slow
 def test_the_tpu_compilers_refusal_is_the_plans_answer():
     """A step over a v5e chip's HBM is refused by libtpu itself (XLA:CPU, which the plan
     compiled on before, has no limit), in the chip's own words."""

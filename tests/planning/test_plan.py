@@ -92,6 +92,7 @@ def test_weights_split_over_data_are_gathered_and_their_gradients_reduced_whole(
     )
 
 
+@pytest.mark.slow
 def test_plan_cli_warns_about_a_split_that_wastes_devices():
     result = subprocess.run(
         [
