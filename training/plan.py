@@ -35,7 +35,7 @@ from training.models import SPLIT_THRESHOLD_BYTES  # noqa: E402
 from training.parallel.dtypes import array_bytes, readable_bytes  # noqa: E402
 from training.parallel.mesh import MeshShape  # noqa: E402
 from training.parallel.strategy import Strategy  # noqa: E402
-from training.planning.advice import advice, compiled_alternatives  # noqa: E402
+from training.planning.advice import what_fits  # noqa: E402
 from training.planning.auto import choose, is_auto  # noqa: E402
 from training.planning.auto_layout import AutoLayout  # noqa: E402
 from training.planning.compiled import Compiled, compile_ahead_of_time  # noqa: E402
@@ -117,7 +117,7 @@ def make_plan(
     advised = None
     over = compiled is not None and compiled.memory.needed > cfg.plan.device_memory_gb * GB
     if compile and (refused or over):
-        advised = advice(compiled_alternatives(cfg, checked.mesh), cfg.plan.device_memory_gb * GB)
+        advised = what_fits(cfg, checked.mesh, cfg.plan.device_memory_gb * GB)
     return LaunchPlan(
         configured,
         alternatives,

@@ -18,7 +18,7 @@ from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning import costs
 from training.planning.abstract import ModelKey, abstract_keras_model
-from training.planning.advice import advice, compiled_alternatives, ways_to_hold_less
+from training.planning.advice import ways_to_hold_less, what_fits
 from training.planning.compiled import compile_ahead_of_time
 from training.planning.layout import resolve_layout
 from training.planning.target import compiles_here
@@ -91,9 +91,9 @@ def check_memory_fits(
         try:
             compiled = compile_ahead_of_time(cfg, mesh).memory
         except OutOfDeviceMemory as refused:
-            raise ConfigError(f"{refused}. {_what_fits(cfg, mesh, refused.limit)}") from None
+            raise ConfigError(f"{refused}. {what_fits(cfg, mesh, refused.limit)}") from None
         budget = cfg.plan.device_memory_gb * 1e9
-        advised = None if compiled.needed <= budget else _what_fits(cfg, mesh, budget)
+        advised = None if compiled.needed <= budget else what_fits(cfg, mesh, budget)
         why = advised and costs.over_budget(cfg, model, mesh, per_host, compiled, advised)
     if why:
         raise ConfigError(
@@ -110,7 +110,7 @@ def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemo
     if oom.limit is None:
         return f"{oom}; trainer.remat, strategy=fsdp or a smaller micro-batch hold less"
     if compiles_here(cfg, checked.mesh):
-        return f"{oom}. {_what_fits(cfg, checked.mesh, oom.limit)}"
+        return f"{oom}. {what_fits(cfg, checked.mesh, oom.limit)}"
     spec, mesh = checked.data_spec, checked.mesh
     model = costs.abstract_model(cfg, spec)
     planned = _planned_bytes(cfg, model, mesh)
@@ -133,10 +133,6 @@ def explain_out_of_memory(cfg: RunConfig, checked: Checked, oom: OutOfDeviceMemo
         f"{oom}. By the plan (training.plan's memory), scaled by {scale:.2f} to the compiler's "
         f"figure for this step, {ways}"
     )
-
-
-def _what_fits(cfg: RunConfig, mesh: MeshShape, budget_bytes: float) -> str:
-    return advice(compiled_alternatives(cfg, mesh), budget_bytes)
 
 
 def _planned_bytes(cfg: RunConfig, model: costs.AbstractModel, mesh: MeshShape) -> int:

@@ -19,18 +19,18 @@ from training.planning.compiled import compile_ahead_of_time
 
 @dataclass(frozen=True)
 class Alternative:
-    """One change of the run's config and what its compiled step needs per device (None
-    where the compiler refused it as over a device's memory: `refused` says by how much)."""
+    """One change of the run's config (its override) and what its compiled step needs per
+    device; None where the compiler refused it as over a device's memory."""
 
     override: str
-    config: RunConfig
     needed: int | None
-    refused: str = ""
 
     def fits(self, budget_bytes: float) -> bool:
         return self.needed is not None and self.needed <= budget_bytes
 
     def described(self) -> str:
+        if self.needed is None:
+            return f"{self.override} (refused)"
         return f"{self.override} ({readable_bytes(self.needed)})"
 
 
@@ -61,31 +61,30 @@ def ways_to_hold_less(cfg: RunConfig, mesh: MeshShape) -> Iterator[tuple[str, Ru
         )
 
 
+def what_fits(cfg: RunConfig, mesh: MeshShape, budget_bytes: float) -> str:
+    """The ways to hold less that fit `budget_bytes` by their compiled steps, each with its
+    figure; or that none does, with what each needs."""
+    alternatives = compiled_alternatives(cfg, mesh)
+    fits = [a for a in alternatives if a.fits(budget_bytes)]
+    if fits:
+        return "these fit by their compiled steps: " + ", ".join(a.described() for a in fits)
+    tried = ", ".join(a.described() for a in alternatives)
+    return (
+        f"none of the changes of one setting fits by its compiled step ({tried or 'none'}): "
+        "use more devices or a smaller model"
+    )
+
+
 def compiled_alternatives(cfg: RunConfig, mesh: MeshShape) -> list[Alternative]:
     """Every way to hold less, each compiled for `mesh` on this process's devices. A change
     the model or mesh cannot take (a layout that does not divide) is left out."""
     found = []
     for override, variant in ways_to_hold_less(cfg, mesh):
         try:
-            needed, refused = compile_ahead_of_time(variant, mesh).memory.needed, ""
-        except OutOfDeviceMemory as error:
-            needed, refused = None, str(error)
+            needed = compile_ahead_of_time(variant, mesh).memory.needed
+        except OutOfDeviceMemory:
+            needed = None
         except ConfigError:
             continue
-        found.append(Alternative(override, variant, needed, refused))
+        found.append(Alternative(override, needed))
     return found
-
-
-def advice(alternatives: list[Alternative], budget_bytes: float) -> str:
-    """The alternatives that fit `budget_bytes` by their compiled steps, each with its
-    figure; or that none does, with what each needs."""
-    fits = [a for a in alternatives if a.fits(budget_bytes)]
-    if fits:
-        return "these fit by their compiled steps: " + ", ".join(a.described() for a in fits)
-    tried = ", ".join(
-        a.described() if a.needed is not None else f"{a.override} (refused)" for a in alternatives
-    )
-    return (
-        f"none of the changes of one setting fits by its compiled step ({tried or 'none'}): "
-        "use more devices or a smaller model"
-    )
