@@ -4,8 +4,8 @@ fewer, so that it can grow back when capacity returns (`training.driver.elastic`
 The request is a Ray placement group of the missing hosts' bundles (the full group's past
 the hosts the shrunk group holds), left pending: Ray places it once a node with room joins
 or another job frees one, and it holds that room from then on, so that nothing else takes
-it before the shrunk group has saved its checkpoint and left. Released just after the full
-group is requested, it leaves the room to that group, first in Ray's queue for it.
+it before the shrunk group has saved its checkpoint and left. It is released just before
+the full group is requested, which that room and the shrunk group's then hold.
 """
 
 from __future__ import annotations
