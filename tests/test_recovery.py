@@ -355,16 +355,33 @@ def test_a_second_signal_stops_at_once():
         Supervisor._on_signal(unsaved, signal.SIGINT, None)
 
 
+def once_logged(output_dir: Path, text: str, act: Callable[[], None]) -> None:
+    """In a thread, while the run writing `output_dir` is under way (240 s at most): once its
+    run log holds `text`, call `act`."""
+
+    def watch() -> None:
+        log, deadline = output_dir / RUN_LOG, time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if log.exists() and text in log.read_text():
+                act()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 @pytest.mark.timeout(600)  # the run and the reference, on a loaded machine
-def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_as_before(
+def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_until_it_returns(
     ray_cluster, tmp_path
 ):
     """fault.elastic on 4 hosts × 2 devices, filling the test's 4-CPU Ray instance: after
     step 3 one host is killed and, as a node lost for good would, its CPU is taken (by a
     placement group queued before the run could ask for a replacement). No fifth host can be
     placed within fault.replace_timeout_s, so the run goes on from the newest checkpoint on
-    2 hosts with trainer.accumulate=2, and each loss is plain Keras' on one device with the
-    whole batch."""
+    2 hosts with trainer.accumulate=2. Then the CPU is given back, as a node joining would:
+    the 2 hosts checkpoint at the next step all reach, and the run grows back to 4 hosts
+    with trainer.accumulate=1 from that checkpoint. Each loss, on 4 hosts, on 2, on 4 again,
+    is plain Keras' on one device with the whole batch."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     taken = {}
@@ -376,7 +393,11 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_as_
         os.kill(pid, signal.SIGKILL)
         return {"pid": pid}
 
+    def give_the_host_back() -> None:
+        remove_placement_group(taken.pop("group"))
+
     hit = while_running(tmp_path, lambda lines: len(lines) >= 3, lose_a_host_for_good)
+    once_logged(tmp_path, "going on with fewer hosts", give_the_host_back)
     elastic = [
         "cluster.hosts=4",
         "cluster.devices_per_host=2",
@@ -394,25 +415,33 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_as_
     assert "pid" in hit, f"no host was killed: {hit}"
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (failure,) = summary["failures"]
-    start, shrunk = summary["mesh_changes"]
+    start, shrunk, grown = summary["mesh_changes"]
     assert (start["step"], start["hosts"], start["mesh"]) == (0, 4, {"data": 8, "model": 1})
-    assert shrunk["step"] == failure["resumed_from_step"] >= 2
+    assert shrunk["step"] == failure["resumed_from_step"] >= 2 and shrunk["why"] == "host lost"
     assert (shrunk["hosts"], shrunk["mesh"], shrunk["accumulate"]) == (
         2,
         {"data": 4, "model": 1},
         2,
     )
-    # Every logged step's rows were checked, on 4 hosts and then on 2; a step logged before
-    # the kill, after the newest checkpoint, is trained (and checked) again after the resume.
+    # The 2 hosts trained at least a step, saved, and the 4 resumed from that checkpoint
+    # (the driver stops a group that resumes from an older one).
+    assert shrunk["step"] < grown["step"] < STEPS and grown["why"] == "capacity returned"
+    assert (grown["hosts"], grown["mesh"], grown["accumulate"]) == (4, start["mesh"], 1)
+    # Every logged step's rows were checked, on 4 hosts, on 2, then on 4; a step logged
+    # before the kill, after the newest checkpoint, is trained (and checked) again after the
+    # resume.
     logged = len(summary["logged_steps"])
-    assert summary["hosts"] == 2 and logged <= summary["rows_fed_checked_steps"] <= logged + 2
-    assert f"mesh changed from step {shrunk['step']}: 2 hosts" in (tmp_path / RUN_LOG).read_text()
+    assert summary["hosts"] == 4 and logged <= summary["rows_fed_checked_steps"] <= logged + 2
+    run_log = (tmp_path / RUN_LOG).read_text()
+    assert f"mesh changed (host lost) from step {shrunk['step']}: 2 hosts" in run_log
+    assert f"mesh changed (capacity returned) from step {grown['step']}: 4 hosts" in run_log
     (reference,) = single_device_losses(CHECKPOINTED)
     np.testing.assert_allclose(summary["loss_history"], reference, rtol=1e-4)
     first_step = summary["phase_seconds"]["first_step"]
     print(
         f"\nelastic: going on {failure['recovery_seconds']:.2f} s after the loss was noticed "
         f"(replace_timeout_s 3 of it); the run's own time to first step {first_step:.2f} s; "
-        f"ratio {failure['recovery_seconds'] / first_step:.2f}"
+        f"ratio {failure['recovery_seconds'] / first_step:.2f}; shrunk at step "
+        f"{shrunk['step']}, grown back at step {grown['step']}"
     )
     assert_no_actor_left()

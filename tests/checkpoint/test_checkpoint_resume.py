@@ -19,6 +19,7 @@ from hydra_plugins.training_launcher.host_group_launcher import (
 from tests.checkpoint.test_checkpoint import HYBRID, snapshot
 from tests.conftest import FAST, run_config
 from training.build import build_on_grid
+from training.checkpoint.record import record_differences
 from training.checkpoint.storage import CheckpointError, checkpoint_path, open_manager
 from training.checkpoint.views import check_host_views, host_view
 from training.config import CheckpointConfig, ConfigError
@@ -154,6 +155,29 @@ def test_allow_changes_lets_a_named_difference_through(tmp_path, saved_checkpoin
     kernel = next(v for v in model.variables if v.path == "block_0_up/kernel")
     assert kernel.value.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(kernel.value), saved["model[2]"].astype("bfloat16"))
+
+
+def test_accumulators_a_run_without_accumulation_lacks_are_left_out_only_where_allowed():
+    """fault.elastic grows back to trainer.accumulate=1 from a checkpoint its shrunk run
+    saved with gradient accumulators (zero between steps): allowed, they are no difference;
+    not allowed, the resume is refused for them too."""
+    saved = {
+        "resume": {"trainer.accumulate": 2},
+        "variables": {"dense/kernel": [4, 2]},
+        "optimizer_variables": {
+            "iteration": [],
+            "dense_kernel_momentum": [4, 2],
+            "dense_kernel_gradient_accumulator": [4, 2],
+        },
+    }
+    now = {"iteration": [], "dense_kernel_momentum": [4, 2]}
+    variables, resume = {"dense/kernel": [4, 2]}, {"trainer.accumulate": 1}
+    allowed = record_differences(saved, resume, variables, ["trainer.accumulate"], now)
+    assert not allowed.stop and allowed.allowed == ["trainer.accumulate 2 in the checkpoint, 1 now"]
+    refused = record_differences(saved, resume, variables, [], now)
+    assert refused.structural == [
+        "optimizer variables only in the checkpoint: dense_kernel_gradient_accumulator"
+    ]
 
 
 def test_a_checkpoint_saved_by_position_is_refused_by_name(tmp_path, saved_checkpoint):

@@ -56,29 +56,29 @@ def test_a_model_axis_spread_over_hosts_cannot_shrink():
     assert not raised.value.restartable
 
 
-@pytest.mark.timeout(600)  # two runs and the reference, each in its process
+@pytest.mark.timeout(600)  # three runs and the reference, one in its own process
 @pytest.mark.slow
-def test_a_run_resumed_on_half_the_devices_with_twice_the_accumulation_trains_as_before(
-    tmp_path,
-):
-    """What an elastic restart does to the hosts: 3 steps on 8 devices, checkpointed, then
-    the rest on 4 devices with trainer.accumulate=2, resharded from that checkpoint (in a
-    fresh process: this one holds 8 devices). The losses are plain Keras' on one device
-    with the whole batch of 32 each step."""
+def test_a_run_shrunk_to_half_the_devices_and_grown_back_trains_as_before(tmp_path):
+    """What an elastic run's restarts do to the hosts: 3 steps on 8 devices, checkpointed,
+    then 2 on 4 devices with trainer.accumulate=2, resharded from that checkpoint (in a
+    fresh process: this one holds 8 devices), then the last on 8 devices again with
+    trainer.accumulate=1, from a checkpoint that holds gradient accumulators it has none of.
+    The losses are plain Keras' on one device with the whole batch of 32 each step."""
     common = [
         *FAST,
         "cluster=inprocess",
         "trainer.log_interval=1",
         "trainer.eval_batches=0",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
-        "checkpoint.interval=3",
+        "checkpoint.interval=1",
+        "checkpoint.allow_changes=[trainer.accumulate]",
     ]
     first = run_training(run_config([*common, "trainer.steps=3"]), tmp_path / "a")
     shrunk = [
         *common,
+        "trainer.steps=5",
         "cluster.devices_per_host=4",
         "trainer.accumulate=2",
-        "checkpoint.allow_changes=[trainer.accumulate]",
         f"hydra.run.dir={tmp_path / 'b'}",
     ]
     done = subprocess.run(
@@ -90,7 +90,11 @@ def test_a_run_resumed_on_half_the_devices_with_twice_the_accumulation_trains_as
     assert done.returncode == 0, done.stderr[-3000:]
     second = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert second["resumed_from_step"] == 3 and second["devices_total"] == 4
+    third = run_training(run_config(common), tmp_path / "c")
+    assert third["resumed_from_step"] == 5 and third["devices_total"] == 8
     (reference,) = single_device_losses(FAST + ["trainer.log_interval=1"])
     np.testing.assert_allclose(
-        first["loss_history"] + second["loss_history"], reference, rtol=PRECISIONS["float32"]
+        first["loss_history"] + second["loss_history"] + third["loss_history"],
+        reference,
+        rtol=PRECISIONS["float32"],
     )

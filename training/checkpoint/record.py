@@ -20,9 +20,11 @@ from training.config import RunConfig
 FORMAT = 2
 # Differences that change the optimizer's variables: no allowance makes their arrays fit.
 NOT_ALLOWABLE = ("optimizer.name",)
-# trainer.accumulate may grow where allowed (fault.elastic does, on fewer hosts): a checkpoint
-# is saved at a step boundary, where Keras' gradient accumulators (these keys' variables)
-# are zero, so the ones a larger accumulate adds start at zero (training.host.checkpoints).
+# trainer.accumulate may change where allowed (fault.elastic grows it on fewer hosts and
+# takes it back as it grows back): a checkpoint is saved at a step boundary, where Keras'
+# gradient accumulators (these keys' variables) are zero, so the ones a larger accumulate
+# adds start at zero, and those a run without accumulation lacks are left unread
+# (training.host.checkpoints).
 ACCUMULATE = "trainer.accumulate"
 GRADIENT_ACCUMULATOR = "_gradient_accumulator"
 # What a resume may change freely: the layout (arrays are resharded on load) and the metrics
@@ -103,11 +105,12 @@ def record_differences(
     found.unknown_allowances = [a for a in allow_changes if not any(_allowed(k, [a]) for k in keys)]
     found.structural = _shape_differences("variables", saved.get("variables", {}), variables)
     if optimizer_variables is not None:
+        before = saved.get("optimizer_variables", {})
         if _allowed(ACCUMULATE, allow_changes):
+            unread = unread_accumulators(saved, optimizer_variables)
+            before = {key: shape for key, shape in before.items() if key not in unread}
             optimizer_variables = saved_optimizer_variables(saved, optimizer_variables)
-        found.structural += _shape_differences(
-            "optimizer variables", saved.get("optimizer_variables", {}), optimizer_variables
-        )
+        found.structural += _shape_differences("optimizer variables", before, optimizer_variables)
     return found
 
 
@@ -120,6 +123,14 @@ def saved_optimizer_variables(saved: dict, now: dict) -> dict:
         for key, value in now.items()
         if key in before or not key.endswith(GRADIENT_ACCUMULATOR)
     }
+
+
+def unread_accumulators(saved: dict, now: dict) -> list[str]:
+    """The gradient accumulators the checkpoint holds and `now` (optimizer variables by key)
+    lacks: a run without accumulation has none. Zero at the step it was saved at, they are
+    left unread."""
+    before = saved.get("optimizer_variables", {})
+    return sorted(k for k in before if k.endswith(GRADIENT_ACCUMULATOR) and k not in now)
 
 
 def _allowed(key: str, allow_changes: list[str]) -> bool:

@@ -49,7 +49,9 @@ def open_manager(cfg: CheckpointConfig, read_only: bool):
         # preempted or failing host loses nothing it reported as saved.
         enable_async_checkpointing=False,
     )
-    handlers = {STATE: ocp.StandardCheckpointHandler(), RECORD: ocp.JsonCheckpointHandler()}
+    # The arrays through orbax's PyTree handler (what its StandardCheckpointHandler wraps,
+    # on disk alike), whose restore may leave saved arrays unread (`partial_restore`).
+    handlers = {STATE: ocp.PyTreeCheckpointHandler(), RECORD: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(checkpoint_path(cfg.dir), options=options, item_handlers=handlers)
 
 

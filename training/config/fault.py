@@ -35,7 +35,9 @@ class FaultConfig:
     # makes the run go on with fewer hosts (training.driver.elastic): the data axis shrinks,
     # trainer.accumulate grows so the global batch and the order of examples stay, and the
     # state is resharded from the newest checkpoint. Each such restart counts against
-    # fault.max_restarts.
+    # fault.max_restarts. Meanwhile the driver asks Ray for the hosts it lacks; once they
+    # are placed, the hosts checkpoint at the next step all reach and the run grows back
+    # to the configured hosts and trainer.accumulate from that checkpoint (no restart).
     elastic: bool = False
     replace_timeout_s: float = 120.0
 

@@ -1,5 +1,6 @@
 """Elastic hosts (`fault.elastic`): the config a run goes on with when a lost host cannot be
-replaced in time.
+replaced in time, and grows back to when the hosts it lacks can be placed again
+(`training.driver.returning_hosts`).
 
 Shrinking keeps the training exactly: the hosts become a divisor of the configured count,
 `hosts / factor`, the data axis shrinks by the same factor, and `trainer.accumulate` grows by
@@ -26,14 +27,14 @@ ACCUMULATE_KEY = "trainer.accumulate"
 
 
 @dataclass(frozen=True)
-class Shrunk:
-    """The run's config and checks on fewer hosts."""
+class Sized:
+    """The run's config and checks on one number of hosts: as configured, or fewer."""
 
     cfg: RunConfig
     checked: Checked
 
 
-def shrink(cfg: RunConfig, checked: Checked, hosts_left: int) -> Shrunk:
+def shrink(cfg: RunConfig, checked: Checked, hosts_left: int) -> Sized:
     """The run on the most hosts that divide the configured count and that `hosts_left`
     reach; a HostFailure (not restartable) where it cannot shrink."""
     hosts, mesh = checked.hosts, checked.mesh
@@ -49,18 +50,30 @@ def shrink(cfg: RunConfig, checked: Checked, hosts_left: int) -> Shrunk:
         raise HostFailure("fault.elastic: no host is left to go on with", restartable=False)
     factor = hosts // fewer
     shrunk_mesh = MeshShape(data=mesh.data // factor, model=mesh.model)
-    allowed = cfg.checkpoint.allow_changes
     shrunk_cfg = replace(
         cfg,
         cluster=replace(cfg.cluster, hosts=fewer),
         mesh=replace(cfg.mesh, data=AUTO if cfg.mesh.data == AUTO else shrunk_mesh.data),
         trainer=replace(cfg.trainer, accumulate=cfg.trainer.accumulate * factor),
-        checkpoint=replace(
-            cfg.checkpoint,
-            allow_changes=allowed if ACCUMULATE_KEY in allowed else [*allowed, ACCUMULATE_KEY],
-        ),
     )
-    return Shrunk(shrunk_cfg, replace(checked, mesh=shrunk_mesh, hosts=fewer))
+    return Sized(
+        _accumulate_may_change(shrunk_cfg), replace(checked, mesh=shrunk_mesh, hosts=fewer)
+    )
+
+
+def grown_back(configured: Sized) -> Sized:
+    """The run as configured, resuming from a checkpoint a shrunk run saved (with its larger
+    trainer.accumulate)."""
+    return replace(configured, cfg=_accumulate_may_change(configured.cfg))
+
+
+def _accumulate_may_change(cfg: RunConfig) -> RunConfig:
+    allowed = cfg.checkpoint.allow_changes
+    if ACCUMULATE_KEY in allowed:
+        return cfg
+    return replace(
+        cfg, checkpoint=replace(cfg.checkpoint, allow_changes=[*allowed, ACCUMULATE_KEY])
+    )
 
 
 def mesh_change(step: int, cfg: RunConfig, checked: Checked, why: str) -> dict:

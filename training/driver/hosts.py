@@ -72,6 +72,15 @@ def request_hosts(
     return RayHostGroup.request(cluster, startup_timeout_s, claim_standby)
 
 
+def request_returning_hosts(cluster: ClusterConfig, held: int):
+    """fault.elastic on `held` hosts of `cluster`'s: the others, asked of Ray until released
+    (`training.driver.returning_hosts`). Only a Ray run shrinks: one in-process host has
+    none to lose."""
+    from training.driver.returning_hosts import ReturningHosts
+
+    return ReturningHosts(cluster, held)
+
+
 @contextmanager
 def hosts_reachable(cluster: ClusterConfig, host_groups: int = 1) -> Iterator[str]:
     """Ray connected for the run's `host_groups` groups of hosts (started, or joined where a

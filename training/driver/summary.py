@@ -44,7 +44,8 @@ class Observed:
     device_kind: str | None = None  # JAX's name of the hosts' devices
     device_memory_limit: int | None = None  # bytes a device may hold (None: not said)
     # Each mesh the run trained on from a step (training.driver.elastic.mesh_change): the
-    # first from the start, then one for each time fault.elastic shrank the run.
+    # first from the start, then one for each time fault.elastic shrank the run ("host
+    # lost") or grew it back ("capacity returned").
     mesh_changes: list[dict] = field(default_factory=list)
 
     def saw_devices(self, kind: str, memory_limit: int | None) -> None:

@@ -1,5 +1,6 @@
 """The driver side of a run: start a host group, route what its hosts send, handle the
-stop signals, and restart a group that lost a host (`training.driver.restarts`).
+stop signals, and restart a group that lost a host (`training.driver.restarts`); with
+fault.elastic, go on with fewer hosts and grow back (`training.driver.elastic`).
 
 The supervisor watches two things while hosts train: an actor that died or raised, and an
 actor that is stuck (`training.driver.watchdog`). Either stops every host, since a JAX
@@ -21,9 +22,14 @@ from training.contracts import predicts_tokens
 from training.driver.checked import Checked
 from training.driver.coverage import RowCoverage, WrongRows
 from training.driver.display import ProgressDisplay
-from training.driver.elastic import Shrunk, described, mesh_change, shrink
+from training.driver.elastic import Sized, described, grown_back, mesh_change, shrink
 from training.driver.failures import FailedHost, HostFailure
-from training.driver.hosts import HostGroup, hosts_reachable, request_hosts
+from training.driver.hosts import (
+    HostGroup,
+    hosts_reachable,
+    request_hosts,
+    request_returning_hosts,
+)
 from training.driver.logs import RunLog
 from training.driver.metrics import MetricsLog, Throughput
 from training.driver.restarts import Restarts
@@ -89,6 +95,12 @@ class Supervisor:
         # The newest step a checkpoint of this run is known to have reached (0: none).
         self.saved_step = checked.resume_step or 0
         self.seen.mesh_changes.append(mesh_change(self.saved_step, cfg, checked, "start"))
+        # fault.elastic: the run as configured, which a shrunk run grows back to once Ray
+        # places the hosts it lacks (`returning`, asked for while it trains on fewer), at
+        # a checkpoint its hosts save for it (`growing`: asked for).
+        self.configured = Sized(self.cfg, checked)
+        self.returning = None
+        self.growing = False
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -142,15 +154,24 @@ class Supervisor:
 
     def _run_with_restarts(self) -> list[dict]:
         """Run host groups until one finishes; after a lost host, start a fresh group that
-        resumes from the newest checkpoint, at most fault.max_restarts times."""
-        while True:
-            try:
-                return self._run_host_group()
-            except HostFailure as failure:
-                self.restarts.allow(failure)
-                self._prepare_restart(failure)
+        resumes from the newest checkpoint, at most fault.max_restarts times; after a shrunk
+        group saved for its hosts' return, the full group from that checkpoint."""
+        try:
+            while True:
+                try:
+                    results = self._run_host_group()
+                except HostFailure as failure:
+                    self.restarts.allow(failure)
+                    self._prepare_restart(failure)
+                    continue
+                if not self._saved_to_grow_back(results):
+                    return results
+                self._grow_back(min(r["reached_step"] for r in results))
+        finally:
+            self._stop_asking_for_returning_hosts()
 
     def _prepare_restart(self, failure: HostFailure) -> None:
+        self.growing = False  # a stop asked to grow back, if any, never came
         passed = saved_before(self.watchdog.slowest_step(), self.cfg.checkpoint)
         resume = restart_step(self.cfg, max(self.saved_step, passed))
         self.saved_step = resume
@@ -163,38 +184,91 @@ class Supervisor:
             f"starting a fresh host group from the checkpoint at step {resume}"
         )
         if self.cfg.fault.elastic:
+            # The room the hosts asked for hold goes to the replacement first.
+            self._stop_asking_for_returning_hosts()
             self.next_group = self._replacement_or_fewer_hosts(resume)
+            self._ask_for_returning_hosts()
 
     def _replacement_or_fewer_hosts(self, resume: int) -> HostGroup:
         """fault.elastic: a group of as many hosts as before where Ray places one within
         fault.replace_timeout_s; else the run shrunk to fewer hosts (one lost), and their group."""
-        timeout = self.cfg.fault.replace_timeout_s
-        waiting = replace(self.cfg.cluster, placement_timeout_s=timeout)
+        group = self._placed_in_time(self.cfg.cluster)
+        if group is not None:
+            return group
+        self.log.line(
+            "elastic: no replacement host placed within fault.replace_timeout_s="
+            f"{self.cfg.fault.replace_timeout_s:g}s; going on with fewer hosts"
+        )
+        shrunk = shrink(self.cfg, self.checked, self.checked.hosts - 1)
+        self._go_on_with(shrunk, resume, "host lost")
+        return self._request_group()
+
+    def _placed_in_time(self, cluster) -> HostGroup | None:
+        """A group of `cluster`'s hosts that Ray placed within fault.replace_timeout_s; None
+        (the group shut down) where it did not."""
+        waiting = replace(cluster, placement_timeout_s=self.cfg.fault.replace_timeout_s)
         group = request_hosts(waiting, self.cfg.fault.startup_timeout_s)
         try:
             group.wait_placed(self._notify)
             return group
         except ConfigError:  # not placed in time
             group.shutdown()
-        self.log.line(
-            f"elastic: no replacement host placed within fault.replace_timeout_s={timeout:g}s; "
-            "going on with fewer hosts"
-        )
-        self._go_on_with(shrink(self.cfg, self.checked, self.checked.hosts - 1), resume)
-        return self._request_group()
+            return None
 
-    def _go_on_with(self, shrunk: Shrunk, step: int) -> None:
-        """Train on the shrunk run's hosts and mesh from `step`: what the driver checks per
-        host (rows, joined metrics, throughput per device) follows them."""
-        self.cfg, self.checked = shrunk.cfg, shrunk.checked
+    def _ask_for_returning_hosts(self) -> None:
+        """While the run is shrunk, ask Ray for the hosts it lacks."""
+        if self.checked.hosts < self.configured.checked.hosts:
+            self.returning = request_returning_hosts(
+                self.configured.cfg.cluster, self.checked.hosts
+            )
+
+    def _stop_asking_for_returning_hosts(self) -> None:
+        if self.returning is not None:
+            self.returning.release()
+            self.returning = None
+
+    def _hosts_returned(self) -> bool:
+        return self.returning is not None and self.returning.placed()
+
+    def _saved_to_grow_back(self, results: list[dict]) -> bool:
+        """Whether the hosts stopped at a checkpoint saved to grow back: not at the run's
+        end, nor for a signal to the driver (which stops the run)."""
+        return (
+            self.growing
+            and self.stop_signal is None
+            and run_status(results, self.cfg.trainer.steps) == "preempted"
+        )
+
+    def _grow_back(self, step: int) -> None:
+        """The run as configured again, from the checkpoint at `step` the shrunk group saved,
+        where Ray places its group within fault.replace_timeout_s; else (the returned hosts
+        taken meanwhile) the shrunk run goes on from there."""
+        self.growing = False
+        self.saved_step = step
+        self._stop_asking_for_returning_hosts()
+        self.next_group = self._placed_in_time(self.configured.cfg.cluster)
+        if self.next_group is None:
+            self.log.line(
+                f"elastic: the {self.configured.checked.hosts} hosts were not placed within "
+                f"fault.replace_timeout_s={self.cfg.fault.replace_timeout_s:g}s; going on "
+                f"with {self.checked.hosts}"
+            )
+            self._ask_for_returning_hosts()
+            return
+        self._go_on_with(grown_back(self.configured), step, "capacity returned")
+
+    def _go_on_with(self, sized: Sized, step: int, why: str) -> None:
+        """Train on `sized`'s hosts and mesh from `step`: what the driver checks per host
+        (rows, joined metrics, throughput per device) follows them."""
+        self.cfg, self.checked = sized.cfg, sized.checked
         self.coverage = RowCoverage(
             self.checked.dataset, self.cfg.trainer, checked_steps=self.coverage.checked_steps
         )
         self.metrics.hosts = self.checked.hosts
         self.seen.throughput.devices = self.checked.mesh.devices
-        change = mesh_change(step, self.cfg, self.checked, "host lost")
+        change = mesh_change(step, self.cfg, self.checked, why)
         self.seen.mesh_changes.append(change)
-        self.log.line(f"mesh changed {described(change)}")
+        self.log.line(f"mesh changed ({why}) {described(change)}")
         self.display.mesh_changed(change)
 
     def _run_host_group(self) -> list[dict]:
@@ -236,9 +310,17 @@ class Supervisor:
         stop_sent = False
         with self.display:
             while len(results) < self.checked.hosts:
-                if self.stop_signal is not None and not stop_sent:
+                if not stop_sent and self.stop_signal is not None:
                     group.request_stop()
                     stop_sent = True
+                if not stop_sent and self._hosts_returned():
+                    self.log.line(
+                        "elastic: Ray placed the hosts this run lacks; the hosts checkpoint "
+                        f"at the next step all reach, and the run goes on with "
+                        f"{self.configured.checked.hosts} hosts from it"
+                    )
+                    group.request_stop()
+                    stop_sent = self.growing = True
                 try:
                     results.update(group.returned(POLL_SECONDS))
                 except FailedHost as failed:

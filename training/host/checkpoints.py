@@ -20,6 +20,7 @@ from training.checkpoint.record import (
     refusal,
     resume_record,
     saved_optimizer_variables,
+    unread_accumulators,
 )
 from training.checkpoint.storage import (
     RECORD,
@@ -184,11 +185,18 @@ class HostCheckpoints:
             }
             for group, variables in saved.items()
         }
+        # Saved arrays this run has no variable for are left unread only where the record
+        # allows it: the gradient accumulators a run without accumulation lacks.
+        unread = unread_accumulators(record, self.variables["optimizer"])
+        restore = ocp.args.PyTreeRestore(
+            targets,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
+            partial_restore=bool(unread),
+        )
         self._free_what_is_restored(saved)
         try:
-            restored = self.manager.restore(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(targets)})
-            )[STATE]
+            args = ocp.args.Composite(**{STATE: restore})
+            restored = self.manager.restore(step, args=args)[STATE]
         except Exception as error:
             raise CheckpointError(
                 f"could not restore step {step} from checkpoint.dir={self.cfg.dir}: "
@@ -255,7 +263,7 @@ class HostCheckpoints:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(record)}
+                **{STATE: ocp.args.PyTreeSave(state), RECORD: ocp.args.JsonSave(record)}
             ),
             metrics=figures or None,
         )
