@@ -34,7 +34,7 @@ ENDPOINT_VARIABLES = (
     "TENSORSTORE_GCS_HTTP_URL",
 )
 # The datasets that read their files from buckets too.
-READS_BUCKETS = ("tokens", "jsonl")
+READS_BUCKETS = ("tokens", "jsonl", "parquet")
 # Bytes read per request while a whole object is scanned (jsonl's line index).
 STREAM_BYTES = 16 * 2**20
 
@@ -167,6 +167,19 @@ def open_flat(
     if size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(Path(path.removeprefix("file://")), dtype=dtype, mode="r")
+
+
+def ranged_source(path: str, what: str):
+    """What a reader that seeks (pyarrow's parquet reader) opens: the local path, or a file
+    object on the bucket's object that asks for exactly the byte ranges read (no read-ahead,
+    which would fetch fsspec's block of megabytes past each read). One error where it is
+    missing or unreadable."""
+    check_supported(path, what)
+    if not is_bucket(path):
+        _file_size(path, what)
+        return path.removeprefix("file://")
+    size = object_size(path, what)
+    return bucket_filesystem(url_scheme(path)).open(path, "rb", cache_type="none", size=size)
 
 
 def stored_bytes(array: np.ndarray | BucketArray) -> int:
