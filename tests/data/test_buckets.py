@@ -74,6 +74,31 @@ def test_token_windows_from_a_bucket_are_the_files_own(tmp_path, bucket, request
     same_batches(on_disk, remote, "held_out", 2, slice(0, 16))
 
 
+def test_adjacent_windows_are_one_request_and_distant_ones_their_own(tmp_path, s3, monkeypatch):
+    """A held-out batch's windows, adjacent in the file, are read in one range; training
+    windows further apart than storage.MERGED_GAP_BYTES each in their own."""
+    local = token_file(tmp_path)
+    url = upload(local, f"{s3}/merged/train.bin")
+    monkeypatch.setattr(storage, "MERGED_GAP_BYTES", 512)
+    remote = build_dataset(TokenDataConfig(path=url, seq_len=32, seed=3))
+    on_disk = build_dataset(TokenDataConfig(path=str(local), seq_len=32, seed=3))
+    fs = remote.splits["train"].tokens.fs
+    requested = []
+    cat_ranges = fs.cat_ranges
+
+    def recorded(paths, starts, ends, **kwargs):
+        requested.append(list(zip(starts, ends, strict=True)))
+        return cat_ranges(paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_ranges", recorded)
+    same_batches(on_disk, remote, "held_out", 1, slice(0, 16))
+    assert len(requested.pop()) == 1
+    same_batches(on_disk, remote, "train", 1, slice(0, 16))
+    starts = np.sort(remote.starts("train", 0, 16, slice(0, 16))) * 2  # bytes (uint16)
+    apart = 1 + np.count_nonzero(np.diff(starts) > 512 + 66)
+    assert len(requested.pop()) == apart > 1
+
+
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
     """The line index is streamed once (in blocks smaller than the file here), then each
     host reads its own lines by ranges: the same batches, tokenized, as the file on disk."""
