@@ -130,23 +130,9 @@ class _Column:
         chunks = []
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
-            leaves = [
-                group.column(c)
-                for c in range(group.num_columns)
-                if group.column(c).path_in_schema.split(".")[0] == self.name
-            ]
-            chunks.append(
-                (
-                    group.num_rows,
-                    [
-                        (
-                            c.total_compressed_size,
-                            c.statistics.to_dict() if c.is_stats_set else None,
-                        )
-                        for c in leaves
-                    ],
-                )
-            )
+            leaves = [group.column(c) for c in range(group.num_columns)]
+            mine = [c for c in leaves if c.path_in_schema.split(".")[0] == self.name]
+            chunks.append((group.num_rows, [_described(c) for c in mine]))
         return [self.count, index, chunks]
 
     def values(self, rows: np.ndarray):
@@ -171,6 +157,11 @@ class _Column:
         return f"row {row} of {self.what}={self.path!r}"
 
 
+def _described(chunk) -> tuple:
+    """A column chunk's size and statistics, as the footer gives them."""
+    return (chunk.total_compressed_size, chunk.statistics.to_dict() if chunk.is_stats_set else None)
+
+
 @dataclass
 class _Split:
     column: _Column
@@ -183,8 +174,8 @@ class ParquetData(ShuffledSplits):
     def __init__(self, cfg: ParquetDataConfig):
         self.cfg = cfg
         self.seq_len = cfg.seq_len
-        # Each split reads through its own file object: a host reads held-out batches while
-        # its prefetcher reads the next training batch.
+        # Each split reads through its own reader, which keeps the row groups of that split's
+        # previous batch (training and held-out batches alternate).
         train = _Column(cfg.path, "data.path", cfg.column)
         if cfg.held_out_path:
             held = _Column(cfg.held_out_path, "data.held_out_path", cfg.column)
