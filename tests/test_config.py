@@ -23,6 +23,7 @@ REQUIRED = {
     ("data", "arrays"): ["data.path=train.npz"],
     ("data", "tokens"): ["data.path=train.bin"],
     ("data", "jsonl"): ["data.path=train.jsonl", "data.tokenizer=/presets/gemma"],
+    ("data", "parquet"): ["data.path=train.parquet"],
     ("tracking", "mlflow"): ["tracking.uri=http://127.0.0.1:5000"],
 }
 

@@ -1,8 +1,10 @@
-"""Data in buckets: token ids and JSON lines read from S3 (moto's server) and GCS
+"""Data in buckets: token ids, JSON lines and parquet read from S3 (moto's server) and GCS
 (fake-gcs-server) by byte ranges give the batches, fingerprint and training of the same
 files on disk; what is missing or unsupported is one error before any host starts."""
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FAST, run_config
@@ -12,12 +14,13 @@ from training.data import build_dataset, storage
 from training.driver.checked import check_sizes
 
 TOKENS = 20_000
+SEQ_LEN = 32
 # A small transformer on token ids (the data that buckets hold).
 TOKEN_MODEL = [
     "model=transformer",
     "data=tokens",
     "data.vocab_size=256",
-    "model.seq_len=32",
+    f"model.seq_len={SEQ_LEN}",
     "model.kwargs.layers=1",
     "model.kwargs.d_model=32",
     "model.kwargs.heads=2",
@@ -29,6 +32,18 @@ def token_file(tmp_path, name="train.bin"):
     path = tmp_path / name
     np.random.default_rng(0).integers(0, 256, TOKENS, dtype=np.uint16).tofile(path)
     return path
+
+
+def window_rows(path, seq_len: int = SEQ_LEN) -> list[np.ndarray]:
+    """The windows data=tokens reads from a token file: seq_len + 1 tokens every seq_len."""
+    tokens = np.fromfile(path, np.uint16).astype(np.int64)
+    return [tokens[s : s + seq_len + 1] for s in range(0, len(tokens) - seq_len, seq_len)]
+
+
+def write_parquet(path, row_group_size: int = 64, options=None, **columns) -> str:
+    """`options`: pyarrow's writer's beyond the row group size."""
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size, **(options or {}))
+    return str(path)
 
 
 def same_batches(local, remote, split: str, batches: int, rows: slice):
@@ -57,6 +72,31 @@ def test_token_windows_from_a_bucket_are_the_files_own(tmp_path, bucket, request
     assert remote.spec == on_disk.spec
     same_batches(on_disk, remote, "train", 3, slice(4, 12))
     same_batches(on_disk, remote, "held_out", 2, slice(0, 16))
+
+
+def test_adjacent_windows_are_one_request_and_distant_ones_their_own(tmp_path, s3, monkeypatch):
+    """A held-out batch's windows, adjacent in the file, are read in one range; training
+    windows further apart than storage.MERGED_GAP_BYTES each in their own."""
+    local = token_file(tmp_path)
+    url = upload(local, f"{s3}/merged/train.bin")
+    monkeypatch.setattr(storage, "MERGED_GAP_BYTES", 512)
+    remote = build_dataset(TokenDataConfig(path=url, seq_len=32, seed=3))
+    on_disk = build_dataset(TokenDataConfig(path=str(local), seq_len=32, seed=3))
+    fs = remote.splits["train"].tokens.fs
+    requested = []
+    cat_ranges = fs.cat_ranges
+
+    def recorded(paths, starts, ends, **kwargs):
+        requested.append(list(zip(starts, ends, strict=True)))
+        return cat_ranges(paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_ranges", recorded)
+    same_batches(on_disk, remote, "held_out", 1, slice(0, 16))
+    assert len(requested.pop()) == 1
+    same_batches(on_disk, remote, "train", 1, slice(0, 16))
+    starts = np.sort(remote.starts("train", 0, 16, slice(0, 16))) * 2  # bytes (uint16)
+    apart = 1 + np.count_nonzero(np.diff(starts) > 512 + 66)
+    assert len(requested.pop()) == apart > 1
 
 
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
@@ -99,15 +139,20 @@ def test_a_missing_bucket_package_is_named(monkeypatch):
 
 
 @pytest.mark.ray
-def test_two_hosts_train_from_a_bucket_as_from_the_file(tmp_path, s3, ray_cluster):
-    """2 hosts reading their rows of every batch from S3 train as the same run reading the
-    file on disk (the driver checks each host fed exactly its rows)."""
+@pytest.mark.parametrize("data", ["tokens", "parquet"])
+def test_two_hosts_train_from_a_bucket_as_from_the_file(tmp_path, s3, ray_cluster, data):
+    """2 hosts reading their rows of every batch from S3 (token ids: a flat file's windows,
+    or a parquet file's rows of them) train as the same run reading the file on disk (the
+    driver checks each host fed exactly its rows)."""
     from training.run import run_training
 
     local = token_file(tmp_path)
-    url = upload(local, f"{s3}/run/train.bin")
-    common = [*TOKEN_MODEL, *FAST]
-    on_disk = run_training(run_config([*common, f"data.path={local}"]), tmp_path / "disk")
-    remote = run_training(run_config([*common, f"data.path={url}"]), tmp_path / "bucket")
+    overrides = [*TOKEN_MODEL, *FAST]
+    if data == "parquet":
+        local = write_parquet(tmp_path / "train.parquet", ids=window_rows(local))
+        overrides += ["data=parquet", "data.column=ids"]
+    url = upload(local, f"{s3}/run/{data}")
+    on_disk = run_training(run_config([*overrides, f"data.path={local}"]), tmp_path / "disk")
+    remote = run_training(run_config([*overrides, f"data.path={url}"]), tmp_path / "bucket")
     assert remote["status"] == on_disk["status"] == "completed"
     assert remote["loss_history"] == on_disk["loss_history"]

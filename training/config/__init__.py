@@ -33,6 +33,7 @@ from training.config.data import (
     ArrayDataConfig,
     DataConfig,
     JsonlDataConfig,
+    ParquetDataConfig,
     SyntheticDataConfig,
     TextDataConfig,
     TokenDataConfig,
@@ -98,6 +99,7 @@ __all__ = [
     "IN_PROCESS",
     "InProcessClusterConfig",
     "JsonlDataConfig",
+    "ParquetDataConfig",
     "LocalClusterConfig",
     "MeshConfig",
     "MlflowTrackingConfig",
@@ -185,6 +187,7 @@ SCHEMAS = {
         "arrays": ArrayDataConfig,
         "tokens": TokenDataConfig,
         "jsonl": JsonlDataConfig,
+        "parquet": ParquetDataConfig,
     },
     "optimizer": OPTIMIZERS,
     "cluster": {

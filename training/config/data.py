@@ -124,6 +124,32 @@ class JsonlDataConfig(FileDataConfig):
         )
 
 
+@dataclass
+class ParquetDataConfig(FileDataConfig):
+    """One column of a parquet file, one example a row: text, tokenized on the hosts by a
+    keras-hub preset's own tokenizer, or token ids (a list of integers)."""
+
+    what_path_names: ClassVar[str] = "a parquet file"
+    name: str = "parquet"
+    column: str = "text"  # a string column (text) or a list<integer> column (token ids)
+    tokenizer: str = ""  # a text column's: a keras-hub preset; the yaml takes model.preset
+    seq_len: int = 128  # tokens per example, padded or cut; the yaml takes model.seq_len
+    # A token column's vocabulary, each batch checked against it; 0: unknown. A text column's
+    # is its tokenizer's.
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(bool(self.column), "data.column must name the parquet file's text or token column")
+        require(self.seq_len >= 2, "data.seq_len must be >= 2")
+        require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
+
+
 DataConfig = (
-    SyntheticDataConfig | TextDataConfig | ArrayDataConfig | TokenDataConfig | JsonlDataConfig
+    SyntheticDataConfig
+    | TextDataConfig
+    | ArrayDataConfig
+    | TokenDataConfig
+    | JsonlDataConfig
+    | ParquetDataConfig
 )

@@ -16,8 +16,8 @@ import hashlib
 
 import numpy as np
 
-from training.config import DataConfig
-from training.contracts import Dataset
+from training.config import ConfigError, DataConfig
+from training.contracts import SPLITS, Dataset
 
 
 def batch_positions(index: int, batch_size: int, rows: slice, count: int) -> np.ndarray:
@@ -57,6 +57,23 @@ class EpochOrder:
         return self._orders[epoch]
 
 
+class ShuffledSplits:
+    """A dataset whose `splits` by name each have an `order` (an `EpochOrder`) of their
+    examples: the ids of a batch's rows."""
+
+    splits: dict
+
+    def _part(self, split: str):
+        if split not in self.splits:
+            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+        return self.splits[split]
+
+    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
+        """Example ids (within the split: windows, lines, rows) of rows `rows` of batch
+        `index`."""
+        return self._part(split).order.rows(index, batch_size, rows)
+
+
 def in_file_order(ids: np.ndarray):
     """(sorted ids, restore): read rows at the sorted ids, so a memory-mapped file is paged
     in order, then `restore(values)` puts them back in the order of `ids`."""
@@ -82,6 +99,17 @@ def sampled_fingerprint(*parts: object, arrays: tuple[np.ndarray, ...] = (), blo
     return digest.hexdigest()
 
 
+def check_token_ids(ids: np.ndarray, vocab_size: int, batch: str, source: str) -> None:
+    """Token ids below 0, or at or above `vocab_size` where it is known (not 0), as one error
+    naming the `batch` and its `source`."""
+    low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if low < 0 or (vocab_size and high >= vocab_size):
+        limit = f"data.vocab_size={vocab_size}" if vocab_size else "token ids, which are >= 0"
+        raise ConfigError(
+            f"{batch} has token id {low if low < 0 else high}, outside {limit} ({source})"
+        )
+
+
 def prior_cross_entropy(train_labels: np.ndarray, held_out_labels: np.ndarray, classes: int):
     """Held-out cross-entropy (nats) of the training label frequencies (add-one smoothed)."""
     return prior_cross_entropy_of_counts(
@@ -103,10 +131,18 @@ def build_dataset(data_cfg: DataConfig) -> Dataset:
     return DATASETS[data_cfg.name](data_cfg)
 
 
+def check_data_files(data_cfg: DataConfig) -> None:
+    """Before the hosts start: the data's bucket objects are there (`storage`), and what a
+    dataset reads of its files in O(1) is right (a parquet file's footer: its column)."""
+    storage.check_data_files(data_cfg)
+    if data_cfg.name in CHECKED_BEFORE_HOSTS:
+        CHECKED_BEFORE_HOSTS[data_cfg.name](data_cfg)
+
+
 # Imported with the package, not when first used: the datasets' modules use the helpers above,
 # and a Ray job's working directory may be re-extracted under a running driver (several nodes
 # of one machine share it), so nothing should be imported late.
-from training.data import arrays, jsonl, synthetic, text, tokens  # noqa: E402
+from training.data import arrays, jsonl, parquet, storage, synthetic, text, tokens  # noqa: E402
 
 DATASETS = {
     "synthetic": synthetic.SyntheticClassification,
@@ -114,4 +150,6 @@ DATASETS = {
     "arrays": arrays.ArrayData,
     "tokens": tokens.TokenData,
     "jsonl": jsonl.JsonlText,
+    "parquet": parquet.ParquetData,
 }
+CHECKED_BEFORE_HOSTS = {"parquet": parquet.check_files}

@@ -3,9 +3,8 @@
 One example per non-empty line: `{"text": ...}` (`data.field`), or a prompt and a response
 (`data.prompt_field`, `data.response_field`) for instruction tuning. Each example is
 tokenized when a host reads it (a host tokenizes only its own rows) and packed as keras-hub's
-`CausalLMPreprocessor` packs text: the start token, the tokens (cut to fit), the end token,
-padding to `seq_len + 1`; x is the first `seq_len` (`token_ids` and their `padding_mask`),
-y the last `seq_len`, and the sample weight 1 where y is a real token (of the response only,
+`CausalLMPreprocessor` packs text (`training/data/packing.py`): x holds `token_ids` and their
+`padding_mask`, and the sample weight is 1 where y is a real token (of the response only,
 where there is a prompt), so padding and prompt carry no loss.
 
 The file is indexed by line on open (one pass over its bytes) and memory-mapped, or streamed
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from training.config import ConfigError, JsonlDataConfig
-from training.contracts import SPLITS, ArraySpec, DataSpec
-from training.data import EpochOrder, sampled_fingerprint
+from training.contracts import ArraySpec, DataSpec
+from training.data import EpochOrder, ShuffledSplits, sampled_fingerprint
+from training.data.packing import TextPacker
 from training.data.storage import BucketArray, newlines, open_flat
 
 
@@ -53,11 +53,11 @@ def _lines(path: str, what: str) -> tuple[np.ndarray | BucketArray, np.ndarray, 
     return text, starts[kept], ends[kept]
 
 
-class JsonlText:
+class JsonlText(ShuffledSplits):
     def __init__(self, cfg: JsonlDataConfig):
         self.cfg = cfg
         self.seq_len = cfg.seq_len
-        self.tokenizer, self.add_start, self.add_end = _tokenizer(cfg.tokenizer)
+        self.packer = TextPacker(cfg.tokenizer, cfg.seq_len, "jsonl")
         text, starts, ends = _lines(cfg.path, "data.path")
         path = cfg.path
         if cfg.held_out_path:
@@ -91,26 +91,19 @@ class JsonlText:
             examples=len(self.splits["train"].starts),
             held_out_examples=len(self.splits["held_out"].starts),
             fingerprint=self._fingerprint(),
-            num_classes=self.tokenizer.vocabulary_size(),
+            num_classes=self.packer.vocabulary_size(),
             positions_per_example=self.seq_len,
             sample_weight=ArraySpec((self.seq_len,), "float32"),
         )
 
     def _fingerprint(self) -> str:
         fields = (self.cfg.field, self.cfg.prompt_field, self.cfg.response_field)
-        parts = [
-            ("jsonl", self.seq_len, fields, self.cfg.tokenizer, self.tokenizer.vocabulary_size())
-        ]
+        parts = [("jsonl", self.seq_len, fields, self.cfg.tokenizer, self.packer.vocabulary_size())]
         parts += [
             (split, len(part.starts), int(part.starts[0])) for split, part in self.splits.items()
         ]
         texts = {id(part.text): part.text for part in self.splits.values()}
         return sampled_fingerprint(*parts, arrays=tuple(texts.values()))
-
-    def _part(self, split: str) -> _Split:
-        if split not in self.splits:
-            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
-        return self.splits[split]
 
     def _where(self, split: str, example: int) -> str:
         part = self._part(split)
@@ -142,59 +135,7 @@ class JsonlText:
             return record[cfg.prompt_field], record[cfg.response_field]
         return "", record[cfg.field]
 
-    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
-        """Line ids (within the split) of rows `rows` of batch `index`."""
-        return self._part(split).order.rows(index, batch_size, rows)
-
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         examples = [int(e) for e in self.rows(split, index, batch_size, rows)]
         texts = [self._text_of(self._record(split, e), split, e) for e in examples]
-        prompts, learned_texts = [p for p, _ in texts], [t for _, t in texts]
-        # One call each for the batch's prompts and texts (keras-hub tokenizes lists).
-        prompt_ids = self._token_ids(prompts) if any(prompts) else [[] for _ in prompts]
-        shape = (len(examples), self.seq_len + 1)
-        ids = np.full(shape, self.tokenizer.pad_token_id, np.int32)
-        real, learned = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-        for row, (prompt, text) in enumerate(
-            zip(prompt_ids, self._token_ids(learned_texts), strict=True)
-        ):
-            tokens, first_learned = self._packed(prompt, text)
-            ids[row, : len(tokens)] = tokens
-            real[row, : len(tokens)] = 1
-            learned[row, first_learned : len(tokens)] = 1
-        x = {"token_ids": ids[:, :-1], "padding_mask": real[:, :-1]}
-        return x, ids[:, 1:], learned[:, 1:].astype(np.float32)
-
-    def _packed(self, prompt_ids: list[int], text_ids: list[int]) -> tuple[list[int], int]:
-        """One example's tokens before padding (the start token, the prompt's and the text's
-        tokens cut to seq_len + 1 in all, the end token) and where the learned ones begin
-        (after the start token and the prompt)."""
-        content = (prompt_ids + text_ids)[: self.seq_len + 1 - self.add_start - self.add_end]
-        start = [self.tokenizer.start_token_id] if self.add_start else []
-        end = [self.tokenizer.end_token_id] if self.add_end else []
-        return start + content + end, len(start) + len(prompt_ids)
-
-    def _token_ids(self, texts: list[str]) -> list[list[int]]:
-        return [list(ids) for ids in self.tokenizer(texts)] if texts else []
-
-
-def _tokenizer(preset: str):
-    """(tokenizer, adds a start token, adds an end token) of the preset's CausalLM
-    preprocessor: text is packed as keras-hub packs it for that model."""
-    try:
-        import keras_hub
-    except ImportError as error:
-        raise ConfigError(f"data=jsonl needs keras-hub (the `hub` extra): {error}") from None
-    try:
-        preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(preset)
-    except Exception as error:
-        raise ConfigError(
-            f"data=jsonl tokenizes with the preset {preset!r}, which has no CausalLM "
-            f"tokenizer keras-hub can load (tokenizer.json): {type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}"
-        ) from None
-    return (
-        preprocessor.tokenizer,
-        int(preprocessor.add_start_token),
-        int(preprocessor.add_end_token),
-    )
+        return self.packer.examples([p for p, _ in texts], [t for _, t in texts])

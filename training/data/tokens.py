@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from training.config import ConfigError, TokenDataConfig
-from training.contracts import SPLITS, ArraySpec, DataSpec
+from training.contracts import ArraySpec, DataSpec
 from training.data import (
     EpochOrder,
+    ShuffledSplits,
+    check_token_ids,
     in_file_order,
     sampled_fingerprint,
 )
@@ -38,7 +40,7 @@ class _Split:
     order: EpochOrder
 
 
-class TokenData:
+class TokenData(ShuffledSplits):
     def __init__(self, cfg: TokenDataConfig):
         self.cfg = cfg
         self.seq_len, self.window = cfg.seq_len, cfg.seq_len + 1
@@ -96,15 +98,6 @@ class TokenData:
         sizes = [stored_bytes(a) for a in arrays]
         return sampled_fingerprint(*parts, sizes, arrays=tuple(arrays))
 
-    def _part(self, split: str) -> _Split:
-        if split not in self.splits:
-            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
-        return self.splits[split]
-
-    def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
-        """Window ids (within the split) of rows `rows` of batch `index`."""
-        return self._part(split).order.rows(index, batch_size, rows)
-
     def starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
         """Offsets, in the file the split is read from, of the windows those rows read."""
         part = self._part(split)
@@ -113,13 +106,12 @@ class TokenData:
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         part = self._part(split)
         starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
-        windows = restore(read_windows(part.tokens, starts, self.window)).astype(np.int32)
-        vocab = self.cfg.vocab_size
-        low, high = (int(windows.min()), int(windows.max())) if windows.size else (0, 0)
-        if low < 0 or (vocab and high >= vocab):
-            limit = f"data.vocab_size={vocab}" if vocab else "token ids, which are >= 0"
-            raise ConfigError(
-                f"a {split} batch has token id {low if low < 0 else high}, outside {limit} "
-                f"(data.path={self.cfg.path!r}, data.dtype={self.cfg.dtype})"
-            )
+        windows = restore(read_windows(part.tokens, starts, self.window))
+        check_token_ids(
+            windows,
+            self.cfg.vocab_size,
+            f"a {split} batch",
+            f"data.path={self.cfg.path!r}, data.dtype={self.cfg.dtype}",
+        )
+        windows = windows.astype(np.int32)
         return windows[:, :-1], windows[:, 1:]

@@ -9,7 +9,7 @@ from training.checkpoint.storage import check_bucket_destinations
 from training.config import ConfigError, RunConfig, TrainerConfig
 from training.config.common import names_object
 from training.contracts import Dataset, DataSpec, LayoutRules, VariableInfo
-from training.data.storage import check_data_files
+from training.data import check_data_files
 from training.models.locate import check_found
 from training.parallel.mesh import MeshShape, resolve_mesh, settled
 from training.parallel.strategy import Strategy
