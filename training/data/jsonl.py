@@ -2,10 +2,10 @@
 
 One example per non-empty line: `{"text": ...}` (`data.field`), or a prompt and a response
 (`data.prompt_field`, `data.response_field`) for instruction tuning. Each example is
-tokenized when a host reads it (a host tokenizes only its own rows) and packed as keras-hub's
-`CausalLMPreprocessor` packs text (`training/data/packing.py`): x holds `token_ids` and their
-`padding_mask`, and the sample weight is 1 where y is a real token (of the response only,
-where there is a prompt), so padding and prompt carry no loss.
+tokenized when a host reads it (a host tokenizes only its own rows) and laid out as
+keras-hub's `CausalLMPreprocessor` lays out text (`training/data/record_examples.py`): x holds
+`token_ids` and their `padding_mask`, and the sample weight is 1 where y is a real token (of
+the response only, where there is a prompt), so padding and prompt carry no loss.
 
 The file is indexed by line on open (one pass over its bytes) and memory-mapped, or streamed
 once from a bucket and then read by byte ranges (`training/data/storage.py`); the lines
@@ -23,7 +23,7 @@ import numpy as np
 from training.config import ConfigError, JsonlDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import EpochOrder, ShuffledSplits, sampled_fingerprint
-from training.data.packing import TextPacker
+from training.data.record_examples import TextExamples
 from training.data.storage import BucketArray, newlines, open_flat
 
 
@@ -57,7 +57,7 @@ class JsonlText(ShuffledSplits):
     def __init__(self, cfg: JsonlDataConfig):
         self.cfg = cfg
         self.seq_len = cfg.seq_len
-        self.packer = TextPacker(cfg.tokenizer, cfg.seq_len, "jsonl")
+        self.text_examples = TextExamples(cfg.tokenizer, cfg.seq_len, "jsonl")
         text, starts, ends = _lines(cfg.path, "data.path")
         path = cfg.path
         if cfg.held_out_path:
@@ -91,14 +91,22 @@ class JsonlText(ShuffledSplits):
             examples=len(self.splits["train"].starts),
             held_out_examples=len(self.splits["held_out"].starts),
             fingerprint=self._fingerprint(),
-            num_classes=self.packer.vocabulary_size(),
+            num_classes=self.text_examples.vocabulary_size(),
             positions_per_example=self.seq_len,
             sample_weight=ArraySpec((self.seq_len,), "float32"),
         )
 
     def _fingerprint(self) -> str:
         fields = (self.cfg.field, self.cfg.prompt_field, self.cfg.response_field)
-        parts = [("jsonl", self.seq_len, fields, self.cfg.tokenizer, self.packer.vocabulary_size())]
+        parts = [
+            (
+                "jsonl",
+                self.seq_len,
+                fields,
+                self.cfg.tokenizer,
+                self.text_examples.vocabulary_size(),
+            )
+        ]
         parts += [
             (split, len(part.starts), int(part.starts[0])) for split, part in self.splits.items()
         ]
@@ -138,4 +146,4 @@ class JsonlText(ShuffledSplits):
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         examples = [int(e) for e in self.rows(split, index, batch_size, rows)]
         texts = [self._text_of(self._record(split, e), split, e) for e in examples]
-        return self.packer.examples([p for p, _ in texts], [t for _, t in texts])
+        return self.text_examples.examples([p for p, _ in texts], [t for _, t in texts])

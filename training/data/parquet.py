@@ -1,6 +1,6 @@
 """One column of a parquet file, one example a row (`data=parquet`), as datasets are published:
 text (a string column), tokenized on the hosts and packed as data=jsonl packs a line, or token
-ids (a list of integers), cut and padded as they are (`training/data/packing.py`).
+ids (a list of integers), cut and padded as they are (`training/data/record_examples.py`).
 
 A parquet file is read by column chunks. Start-up reads its footer only (the schema and the
 row groups' sizes); a batch reads, of the one column, the row groups that hold the rows a host
@@ -27,7 +27,7 @@ import numpy as np
 from training.config import ConfigError, ParquetDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import EpochOrder, ShuffledSplits, check_token_ids, sampled_fingerprint
-from training.data.packing import TextPacker, next_token_weights, padded
+from training.data.record_examples import TextExamples, next_token_weights, padded
 from training.data.storage import ranged_source
 
 TEXT, TOKEN_IDS = "text", "token ids"
@@ -197,21 +197,23 @@ class ParquetData(ShuffledSplits):
             order = EpochOrder(count, cfg.seed, shuffle=split == "train")
             self.splits[split] = _Split(column, first, count, order)
         text = self.kind == TEXT
-        self.packer = TextPacker(cfg.tokenizer, cfg.seq_len, "parquet") if text else None
+        self.text_examples = TextExamples(cfg.tokenizer, cfg.seq_len, "parquet") if text else None
         tokens = ArraySpec((self.seq_len,), "int32")
         self.spec = DataSpec(
-            inputs={"token_ids": tokens, "padding_mask": tokens} if self.packer else tokens,
+            inputs={"token_ids": tokens, "padding_mask": tokens} if self.text_examples else tokens,
             labels=tokens,
             examples=self.splits["train"].count,
             held_out_examples=self.splits["held_out"].count,
             fingerprint=self._fingerprint(),
-            num_classes=self.packer.vocabulary_size() if self.packer else cfg.vocab_size or None,
+            num_classes=self.text_examples.vocabulary_size()
+            if self.text_examples
+            else cfg.vocab_size or None,
             positions_per_example=self.seq_len,
             sample_weight=ArraySpec((self.seq_len,), "float32"),
         )
 
     def _fingerprint(self) -> str:
-        vocab = self.packer.vocabulary_size() if self.packer else self.cfg.vocab_size
+        vocab = self.text_examples.vocabulary_size() if self.text_examples else self.cfg.vocab_size
         parts = [("parquet", self.cfg.column, self.kind, self.seq_len, self.cfg.tokenizer, vocab)]
         parts += [
             (split, part.first, part.count, part.column.footprint())
@@ -223,9 +225,9 @@ class ParquetData(ShuffledSplits):
         part = self._part(split)
         file_rows = part.first + self.rows(split, index, batch_size, rows)
         values = part.column.values(file_rows)
-        if self.packer:
+        if self.text_examples:
             texts = self._texts(values, file_rows, part.column)
-            return self.packer.examples([""] * len(texts), texts)
+            return self.text_examples.examples([""] * len(texts), texts)
         ids, _, learned = padded(
             self._token_ids(values, file_rows, part.column, split),
             [0] * len(file_rows),

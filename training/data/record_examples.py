@@ -1,7 +1,8 @@
-"""Examples of one record each (a line of data=jsonl, a row of data=parquet) packed as a causal
-language model's fixed-length inputs, as keras-hub's `CausalLMPreprocessor` packs text.
+"""Examples of one record each (a line of data=jsonl, a row of data=parquet) laid out as a
+causal language model's fixed-length inputs, as keras-hub's `CausalLMPreprocessor` lays out
+text (several records in one window is `data.pack`: `training/data/packing.py`).
 
-Text is tokenized by a keras-hub preset's own tokenizer and packed as the start token, the
+Text is tokenized by a keras-hub preset's own tokenizer and laid out as the start token, the
 tokens (cut to fit), the end token, padding to `seq_len + 1`; token ids already tokenized are
 cut and padded as they are. x is the first `seq_len` positions, y the last `seq_len`, and the
 sample weight 1 where y is a learned token, so that padding (and a prompt) carries no loss.
@@ -34,7 +35,7 @@ def next_token_weights(learned: np.ndarray) -> np.ndarray:
     return learned[:, 1:].astype(np.float32)
 
 
-class TextPacker:
+class TextExamples:
     """Text -> examples of `seq_len` tokens, through the preset's CausalLM tokenizer."""
 
     def __init__(self, preset: str, seq_len: int, dataset: str):
