@@ -53,3 +53,14 @@ def test_asynchronous_gpu_collectives_are_each_counted_once_with_their_bytes():
         ("collective-permute", 128 * 32 * 4, 2),  # the operand, not the context
         ("all-to-all", 512 * 64 * 2, 2),
     ]
+
+
+def test_the_tpu_compilers_reduce_scatter_is_read_as_one_of_its_input():
+    """libtpu writes a reduce-scatter as a fusion of an all-reduce of the padded input and
+    each device's slice of it (an excerpt of a v5e 2x2 fsdp step's HLO): a reduce-scatter of
+    that input; an all-reduce outside such a fusion stays one."""
+    found = from_hlo((FIXTURES / "tpu_reduce_scatter.hlo").read_text(), devices=4)
+    assert [(c.kind, c.bytes, c.group) for c in found] == [
+        ("reduce-scatter", 4480 * 4096 * 4, 4),
+        ("all-reduce", (32 * 4096 + 4096 * 8) * 4, 4),
+    ]

@@ -56,6 +56,9 @@ _OP = re.compile(
     r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
 )
 _ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
+# A computation's first line: `%name (params) -> type {`, or `ENTRY %name ...`.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) .*\{\s*$")
+_TPU_REDUCE_SCATTER = "all-reduce-scatter"
 
 
 def from_hlo(text: str, devices: int) -> list[Collective]:
@@ -64,14 +67,20 @@ def from_hlo(text: str, devices: int) -> list[Collective]:
 
     `devices`: the program's device count, the group of a collective with no replica groups.
     """
-    found = []
+    found, computation = [], ""
     for line in text.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header["name"]
         match = _OP.search(line)
         if match is None:
             continue
         kind = match["kind"]
         group = _group_size(match["rest"], devices)
         payload = _payload(kind, match["type"], started=bool(match["start"]), group=group)
+        if kind == "all-reduce" and computation.startswith(_TPU_REDUCE_SCATTER):
+            # The TPU compiler's reduce-scatter: a fusion of an all-reduce of the (padded)
+            # input and the slice of it each device keeps; its payload is that input.
+            kind = "reduce-scatter"
         found.append(Collective(kind, payload, group, line.split("=")[0].strip()))
     return found
 
