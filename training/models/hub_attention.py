@@ -13,10 +13,11 @@ training/models/attention.py's kernels:
 - grouped-query attention without repeated key and value: the layer's repeats are undone
   (every `groups`-th head), which the compiler folds away with the repeat;
 - the layer's own logit scale and soft-capping;
-- the padding as segment ids, read from the mask's diagonal (a token sees itself exactly when
-  it is not padding): a query sees only keys that are not padding, as the mask says; the
-  outputs at padding positions differ (they see other padding), which no loss or real token
-  reads.
+- the padding and packed examples (training/models/hub_packing.py) as segment ids, read from
+  the mask's two diagonals (a token sees itself exactly when it is not padding, and the token
+  before it exactly when both are of one example): a query sees only keys of its own example
+  that are not padding, as the mask says; the outputs at padding positions differ (they see
+  other padding), which no loss or real token reads.
 
 Where the kernel cannot take a call (CPU under `auto`, a sequence that is not a multiple of
 its tiles, soft-capping on cuDNN, dropout of the attention weights while training) that
@@ -78,10 +79,18 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
         if form.repeated:
             groups = heads // form.kv_heads
             key, value = key[:, :, ::groups], value[:, :, ::groups]
-        segments = None
-        if attention_mask is not None:
-            segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)
+        segments = None if attention_mask is None else segments_of(attention_mask)
         logits = Logits(form.scale, form.soft_cap, form.window)
         return fused_attention(choice, query, key, value, logits, segments)
 
     return compute
+
+
+def segments_of(mask):
+    """(batch, seq) segment ids of a (batch, seq, seq) causal mask of contiguous examples and
+    padding: 0 at padding (a position that does not see itself), else one id per example, a
+    new one wherever a position does not see the one before it."""
+    real = jnp.diagonal(mask, axis1=1, axis2=2) != 0
+    sees_previous = jnp.diagonal(mask, offset=-1, axis1=1, axis2=2) != 0
+    starts = jnp.concatenate([jnp.ones_like(real[:, :1]), ~sees_previous], axis=1)
+    return jnp.where(real, jnp.cumsum(starts, axis=1, dtype=jnp.int32), 0)
