@@ -20,7 +20,8 @@ training/models/attention.py's kernels:
   other padding), which no loss or real token reads.
 
 Where the kernel cannot take a call (CPU under `auto`, a sequence that is not a multiple of
-its tiles, soft-capping on cuDNN, dropout of the attention weights while training) that
+its tiles, soft-capping on cuDNN, dropout of the attention weights while training, packed
+rows on cuDNN, which takes padding as lengths only) that
 call runs the layer's own code, with a warning saying why on an accelerator; so do calls
 whose query and key differ in length (cached generation's steps) and Keras' shape inference.
 An exported preset holds keras-hub's own classes: nothing is in their config.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from training import keras_compat
 from training.config import ConfigError
+from training.models import hub_packing
 from training.models.attention import Logits, choose, fused_attention, platform
 
 
@@ -70,8 +72,10 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
         reason = choice.reason if choice.kernel == "einsum" else ""
         if not reason and form.weights_dropout and kwargs.get("training"):
             reason = f"it drops attention weights out (dropout={form.weights_dropout})"
-            if implementation == "fused":
-                raise ValueError(f"model.attention=fused: {reason}")
+        if not reason and choice.kernel == "cudnn" and hub_packing.feeding_packed_rows():
+            reason = "cuDNN's kernel takes padding as lengths, not packed examples' segment ids"
+        if reason and choice.kernel != "einsum" and implementation == "fused":
+            raise ValueError(f"model.attention=fused: {reason}")
         if reason:
             if on != "cpu":
                 warnings.warn(f"keras-hub's own attention runs: {reason}", stacklevel=2)

@@ -55,6 +55,11 @@ def packed(segment_ids):
         _segments.reset(token)
 
 
+def feeding_packed_rows() -> bool:
+    """Whether the model is being called on packed rows (inside `packed`)."""
+    return _segments.get() is not None
+
+
 def _kept_apart(own):
     def mask(*args, **kwargs):
         found = own(*args, **kwargs)
