@@ -101,6 +101,11 @@ class DataSpec:
     # Where batches give a third array, Keras' sample_weight: its per-example spec (or a
     # dict by model output name: each output's own weights).
     sample_weight: ArraySpec | dict[str, ArraySpec] | None = None
+    # Examples a row holds on average: more than one where examples are packed (data.pack).
+    examples_per_row: float = 1.0
+    # Positions of a row that are not padding, on average, where the dataset knows;
+    # None: all `positions_per_example` are counted.
+    tokens_per_row: float | None = None
 
 
 def data_spec_from_dict(values: dict) -> DataSpec:

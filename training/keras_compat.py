@@ -504,3 +504,20 @@ def in_symbolic_call() -> bool:
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+# keras-hub 0.32's decoder layers build each attention's mask (causal, padding, sliding
+# window) in one of these methods, from the sequence and its padding mask: Llama, Mistral,
+# Qwen and Qwen 3 in `_compute_self_attention_mask`, Gemma in `_compute_attention_mask`.
+HUB_MASK_METHODS = ("_compute_self_attention_mask", "_compute_attention_mask")
+
+
+def replace_attention_mask(layer, wrap) -> bool:
+    """`layer`'s attention-mask method replaced by `wrap(its own)`, on the instance; whether
+    `layer` has one (a keras-hub decoder layer)."""
+    for name in HUB_MASK_METHODS:
+        own = getattr(layer, name, None)
+        if callable(own):
+            setattr(layer, name, wrap(own))
+            return True
+    return False

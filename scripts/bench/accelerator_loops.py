@@ -8,12 +8,16 @@ optimizer and precision, in one process. Prints ms/step, tokens/s, model TFLOP/s
     python -m scripts.bench.accelerator_loops --workloads transformer-86M --first-step
     python -m scripts.bench.accelerator_loops --workloads transformer-tiny --steps 12  # CPU
     python -m scripts.bench.accelerator_loops --workloads llama-lora-4096 --loops "host loop"
+    python -m scripts.bench.accelerator_loops --workloads llama-tiny-packed,llama-tiny-unpacked
 
 Workloads: the built-in transformer at 86 M and 302 M parameters (seq 1024, batch 16,
 heads of 128, mixed bfloat16, AdamW), and a keras-hub Llama of TinyLlama-1.1B's shape
 (random weights) fine-tuned with LoRA of rank 8 at seq 512 × batch 4, 2048 × 2 and 4096 × 1,
 its attention through the fused kernel (training/models/hub_attention.py). The data: random
-token ids written to a temporary file (`data=tokens`), read by all three loops.
+token ids written to a temporary file (`data=tokens`), read by all three loops. And
+instruction tuning of the same LoRA model (`data=jsonl`, examples of 20-500 tokens) with the
+examples packed into rows of 2048 (`data.pack=true`) against the same examples one a row at
+512, the host loop only: its real tokens/s (padding not counted) and their ratio.
 `--first-step` also times, from its launch, a fresh `python -m training.run
 cluster=inprocess` of the first workload to the end of its first step, against a fresh
 process running the hand-written loop (`jit_process`); neither uses a compilation cache.
@@ -23,7 +27,8 @@ workload.
 Targets (issues 35, 43): host loop <= 1.01 x the jit loop (the same attention) and
 <= 1.00 x Keras fit (<= 0.333 x at 4096, where fit needs remat and keras-hub's attention
 as plain Keras builds it); MFU >= 0.56 (86 M), >= 0.60 (302 M), >= 0.58 / 0.50 / 0.45 (LoRA at
-512 / 2048 / 4096, 4NT + attention); first step <= 1.05 x. `--loops` runs only the loops named.
+512 / 2048 / 4096, 4NT + attention); packed real tokens/s >= 1.6 x unpacked; first step
+<= 1.05 x. `--loops` runs only the loops named.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import traceback
 from pathlib import Path
 
 from scripts.bench.harness import (
+    INSTRUCTION_WORKLOADS,
+    PACKED_PAIRS,
     READ_EVERY,
     WORKLOADS,
     jit_loop,
@@ -46,6 +53,7 @@ from scripts.bench.harness import (
     result_of,
     start,
     workload_overrides,
+    write_instructions,
     write_results,
     write_tokens,
 )
@@ -63,6 +71,8 @@ AGAINST = {"jit loop": "<= 1.01", "keras fit": "<= 1.00"}  # the host loop's ste
 # `trainer.remat=full` sets). The host loop's step there is to be a third of fit's or less.
 PLAIN_KERAS_AT_LONG_CONTEXT = {"attention": "keras_hub", "remat": "full"}
 LONG_CONTEXT = {"llama-lora-2048": "<= 1.00", "llama-lora-4096": "<= 0.333"}
+PACKED_TARGET = ">= 1.6"  # packed rows' real tokens/s over the same examples unpacked
+DEFAULT_WORKLOADS = [*WORKLOADS, "llama-lora-packed", "llama-lora-unpacked"]
 
 
 # ---- the three loops -------------------------------------------------------------------
@@ -191,6 +201,9 @@ def run_workload(workload: str, tokens: Path, steps: int, chosen=LOOPS) -> dict:
     cfg = compose_run_config(workload_overrides(workload, tokens, steps))
     device = jax.devices()[0]
     result = {"workload": workload, "device": device.device_kind, "loops": {}}
+    if workload in INSTRUCTION_WORKLOADS:
+        chosen = ["host loop"]  # the loops compared are packed rows' and unpacked rows'
+        result["real_tokens_per_step"] = real_tokens_per_step(cfg, steps)
     loops = (("host loop", host_loop), ("jit loop", hand_written_loop), ("keras fit", keras_fit))
     for name, loop in (named for named in loops if named[0] in chosen):
         try:
@@ -207,12 +220,21 @@ def run_workload(workload: str, tokens: Path, steps: int, chosen=LOOPS) -> dict:
     return result
 
 
+def real_tokens_per_step(cfg, steps: int) -> float:
+    """The tokens that are not padding in the batches the host loop trains on, per step."""
+    from training.data import build_dataset
+
+    dataset, batch = build_dataset(cfg.data), cfg.trainer.global_batch
+    fed = [dataset.batch("train", i, batch, slice(0, batch))[0] for i in range(steps)]
+    return sum(int(x["padding_mask"].sum()) for x in fed) / steps
+
+
 def figures(result: dict, loop: dict) -> dict:
     seconds = loop["step_seconds"]
     tflops = result["flops_per_step"] / seconds / 1e12
     return {
         "ms": seconds * 1e3,
-        "tokens_per_s": result["tokens_per_step"] / seconds,
+        "tokens_per_s": result.get("real_tokens_per_step", result["tokens_per_step"]) / seconds,
         "tflops": tflops,
         "mfu": tflops / result["peak_tflops"] if result["peak_tflops"] else None,
     }
@@ -234,8 +256,9 @@ def report(result: dict) -> None:
         held = f"  step memory {memory / 1e9:.2f} GB" if memory else ""
         if "fused_attention" in loop:
             held += f"  fused attention kernel: {'yes' if loop['fused_attention'] else 'no'}"
+        real = " real" if "real_tokens_per_step" in result else ""
         print(
-            f"  {name:10s} {f['ms']:8.1f} ms/step  {f['tokens_per_s']:10,.0f} tokens/s  "
+            f"  {name:10s} {f['ms']:8.1f} ms/step  {f['tokens_per_s']:10,.0f}{real} tokens/s  "
             f"{f['tflops']:6.1f} TFLOP/s  MFU {mfu}{held}"
         )
     host = loops.get("host loop", {})
@@ -246,6 +269,18 @@ def report(result: dict) -> None:
             print(f"  host loop / {other}: {ratio(found, target, 3)}")
     if result["workload"] in TARGETS:
         print(f"  target MFU >= {TARGETS[result['workload']]}")
+
+
+def report_packing(results: list[dict]) -> None:
+    """Packed rows' real tokens/s over the same examples' unpacked, for each pair run."""
+    by_name = {r.get("workload"): r for r in results}
+    for packed, unpacked in PACKED_PAIRS.items():
+        pair = [by_name.get(packed, {}), by_name.get(unpacked, {})]
+        loops = [r.get("loops", {}).get("host loop", {}) for r in pair]
+        if all("step_seconds" in loop for loop in loops):
+            rates = [figures(r, loop)["tokens_per_s"] for r, loop in zip(pair, loops, strict=True)]
+            found = ratio(rates[0] / rates[1], PACKED_TARGET)
+            print(f"\n{packed} / {unpacked}, real tokens/s: {found}")
 
 
 # ---- time to first step ----------------------------------------------------------------
@@ -266,7 +301,7 @@ def first_step(workload: str, tokens: Path, directory: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--first-step", action="store_true")
     parser.add_argument("--loops", default=",".join(LOOPS), help="of: " + ", ".join(LOOPS))
@@ -286,12 +321,15 @@ def main() -> None:
             )
             results.append({"first_step": chosen[0], **timed})
         for workload in chosen:
-            tokens = write_tokens(scratch, workload)
-            result = run_workload(workload, tokens, args.steps, args.loops.split(","))
+            write = write_instructions if workload in INSTRUCTION_WORKLOADS else write_tokens
+            result = run_workload(
+                workload, write(scratch, workload), args.steps, args.loops.split(",")
+            )
             report(result)
             results.append(result)
             write_results("accelerator_loops", results)
             sys.stdout.flush()
+        report_packing(results)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,32 @@ WORKLOADS = {
     "llama-lora-4096": [*TINYLLAMA_LORA, "model.seq_len=4096", "trainer.global_batch=1"],
 }
 VOCABULARY = {name: 32000 for name in WORKLOADS if name.startswith("llama")}  # others: 256
+# Instruction tuning (data=jsonl, a prompt and a response) on the same examples, packed into
+# rows (data.pack) against one example a row: TinyLlama-shape LoRA with examples of 20-500
+# tokens, packed into 2048 against unpacked at 512; and a tiny Llama, examples of 6-120
+# tokens, 256 against 128, to check the pair on CPU in seconds. The same tokens per step.
+TINY_LLAMA = [
+    "model=hub",
+    "model.backbone=LlamaBackbone",
+    "model.kwargs.vocabulary_size=256",
+    "model.kwargs.num_layers=2",
+    "model.kwargs.num_query_heads=4",
+    "model.kwargs.num_key_value_heads=2",
+    "model.kwargs.hidden_dim=64",
+    "model.kwargs.intermediate_dim=128",
+]
+INSTRUCTION_WORKLOADS = {
+    "llama-lora-packed": [*TINYLLAMA_LORA, "model.seq_len=2048", "trainer.global_batch=2"],
+    "llama-lora-unpacked": [*TINYLLAMA_LORA, "model.seq_len=512", "trainer.global_batch=8"],
+    "llama-tiny-packed": [*TINY_LLAMA, "model.seq_len=256", "trainer.global_batch=2"],
+    "llama-tiny-unpacked": [*TINY_LLAMA, "model.seq_len=128", "trainer.global_batch=4"],
+}
+INSTRUCTION_LENGTHS = {"llama-lora": (20, 500), "llama-tiny": (6, 120)}  # tokens, with start/end
+PACKED_PAIRS = {
+    "llama-lora-packed": "llama-lora-unpacked",
+    "llama-tiny-packed": "llama-tiny-unpacked",
+}
+INSTRUCTIONS = 4000  # examples in the file
 # On the synthetic arrays instead of tokens (plan_memory --accelerator): a wide MLP of 135 M
 # parameters.
 ARRAY_WORKLOADS = {
@@ -111,8 +137,20 @@ ARRAY_WORKLOADS = {
 
 
 def workload_overrides(workload: str, tokens: Path, steps: int) -> list[str]:
+    """`tokens`: the file `write_tokens` wrote; the folder `write_instructions` wrote for an
+    instruction workload."""
     if workload in ARRAY_WORKLOADS:
         model_and_data = ARRAY_WORKLOADS[workload]
+    elif workload in INSTRUCTION_WORKLOADS:
+        model_and_data = [
+            *INSTRUCTION_WORKLOADS[workload],
+            "data=jsonl",
+            f"data.path={tokens / 'instructions.jsonl'}",
+            f"data.tokenizer={tokens / 'tokenizer'}",
+            "data.prompt_field=prompt",
+            "data.response_field=response",
+            f"data.pack={workload.endswith('-packed')}",
+        ]
     else:
         vocabulary = VOCABULARY.get(workload, 256)
         model_and_data = [
@@ -140,6 +178,62 @@ def write_tokens(directory: Path, workload: str) -> Path:
         rng = np.random.default_rng(0)
         rng.integers(0, vocabulary, size=4_000_000, dtype=np.uint16).tofile(path)
     return path
+
+
+def write_instructions(directory: Path, workload: str) -> Path:
+    """A folder of `instructions.jsonl`, prompts and responses of random letters whose
+    lengths (start and end tokens included) are uniform in the workload's
+    INSTRUCTION_LENGTHS, and `tokenizer`, a preset of a character tokenizer (one token a
+    letter) trained here, no download."""
+    import io
+
+    import keras_hub
+    import numpy as np
+    import sentencepiece
+
+    family = workload.rsplit("-", 1)[0]
+    folder = directory / f"instructions-{family}"
+    if folder.exists():
+        return folder
+    shortest, longest = INSTRUCTION_LENGTHS[family]
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    folder.mkdir()
+    with open(folder / "instructions.jsonl", "w") as file:
+        for length in rng.integers(shortest, longest + 1, INSTRUCTIONS) - 2:
+            text = "".join(rng.choice(letters, length))
+            cut = int(rng.integers(1, max(2, length // 4)))
+            file.write(json.dumps({"prompt": text[:cut], "response": text[cut:]}) + "\n")
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(["".join(letters)] * 8),
+        model_writer=proto,
+        model_type="char",
+        vocab_size=len(letters) + 5,
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        pad_piece="<pad>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    m = keras_hub.models
+    tokenizer = m.LlamaTokenizer(proto=proto.getvalue())
+    backbone = m.LlamaBackbone(
+        vocabulary_size=tokenizer.vocabulary_size(),
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=8,
+        intermediate_dim=8,
+    )
+    preprocessor = m.LlamaCausalLMPreprocessor(tokenizer)
+    m.LlamaCausalLM(backbone, preprocessor).save_to_preset(str(folder / "tokenizer"))
+    return folder
 
 
 # ---- devices and processes -------------------------------------------------------------

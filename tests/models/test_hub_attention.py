@@ -59,8 +59,9 @@ def batch():
     return inputs, tokens[:, 1:], padding.astype("float32")
 
 
-def loss_and_gradients(model):
-    inputs, labels, weights = batch()
+def loss_and_gradients(model, data=None):
+    """((loss, gradients), the step's jaxpr) on `data` (x, y, sample weights), else `batch()`."""
+    inputs, labels, weights = data or batch()
     loss = hub.loss()
     trainable = [v.value for v in model.trainable_variables]
     fixed = [v.value for v in model.non_trainable_variables]

@@ -171,6 +171,11 @@ class RunConfig:
             "strategy=auto picks the mesh as well: drop mesh.data and mesh.model",
         )
         require(
+            not getattr(self.data, "pack", False) or self.model.name == "hub",
+            "data.pack=true needs model=hub: a keras-hub causal LM takes the packed examples' "
+            f"segment ids, model={self.model.name} does not",
+        )
+        require(
             not self.checkpoint.keep_best or self.trainer.eval_batches != 0,
             "checkpoint.keep_best ranks checkpoints by a held-out figure: trainer.eval_batches "
             "is 0",

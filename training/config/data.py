@@ -108,6 +108,9 @@ class JsonlDataConfig(FileDataConfig):
     response_field: str = ""
     tokenizer: str = ""  # a keras-hub preset with a tokenizer; the yaml takes model.preset
     seq_len: int = 128  # tokens per example, padded or cut; the yaml takes model.seq_len
+    # Several examples share a row of seq_len tokens, kept apart by segment ids
+    # (training/data/packing.py); the model must take them (model=hub).
+    pack: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,6 +11,12 @@ The file is indexed by line on open (one pass over its bytes) and memory-mapped,
 once from a bucket and then read by byte ranges (`training/data/storage.py`); the lines
 are visited in a fresh shuffle each epoch (`EpochOrder`), held-out lines in file order.
 Held out: `data.held_out_path`, or else the file's last `data.held_out_percent` of lines.
+
+With `data.pack` several examples share a row (training/data/packing.py): the whole file is
+tokenized once as it opens, for each example's length, and x gains `segment_ids` (example k
+of a row is k, padding 0). Each example's positions are those it has unpacked but its last
+(the end token, which predicts only padding), so its tokens, labels and weights are the
+unpacked example's.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ import numpy as np
 from training.config import ConfigError, JsonlDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import EpochOrder, ShuffledSplits, sampled_fingerprint
+from training.data.packing import OPEN_WINDOWS, Windows, first_fit, packed_rows
 from training.data.record_examples import TextExamples
 from training.data.storage import BucketArray, newlines, open_flat
+
+# Examples tokenized in one call when a packed dataset measures their lengths.
+TOKENIZED_AT_ONCE = 1024
 
 
 @dataclass
@@ -33,7 +43,8 @@ class _Split:
     text: np.ndarray | BucketArray  # the file's bytes, memory-mapped or in a bucket
     starts: np.ndarray  # each example's first byte
     ends: np.ndarray  # and the byte after its last
-    order: EpochOrder
+    order: EpochOrder  # of examples, or of windows where packed
+    windows: Windows | None = None  # where packed
 
     def line_number(self, example: int) -> int:
         """The file line (from 1) example `example` of the split is on."""
@@ -84,17 +95,38 @@ class JsonlText(ShuffledSplits):
         for split, part in self.splits.items():
             for example in {0, len(part.starts) - 1}:
                 self._text_of(self._record(split, example), split, example)
+        if cfg.pack:
+            for split in self.splits:
+                self._pack(split)
         tokens = ArraySpec((self.seq_len,), "int32")
+        inputs = {"token_ids": tokens, "padding_mask": tokens}
+        train, held_out = self.splits["train"], self.splits["held_out"]
+        packed = train.windows
         self.spec = DataSpec(
-            inputs={"token_ids": tokens, "padding_mask": tokens},
+            inputs={**inputs, "segment_ids": tokens} if packed else inputs,
             labels=tokens,
-            examples=len(self.splits["train"].starts),
-            held_out_examples=len(self.splits["held_out"].starts),
+            examples=len(packed) if packed else len(train.starts),
+            held_out_examples=len(held_out.windows) if packed else len(held_out.starts),
             fingerprint=self._fingerprint(),
             num_classes=self.text_examples.vocabulary_size(),
             positions_per_example=self.seq_len,
             sample_weight=ArraySpec((self.seq_len,), "float32"),
+            examples_per_row=len(train.starts) / len(packed) if packed else 1.0,
+            tokens_per_row=packed.positions / len(packed) if packed else None,
         )
+
+    def _pack(self, split: str) -> None:
+        """The split's windows (training/data/packing.py), from every example's positions;
+        its epochs then visit windows."""
+        part = self._part(split)
+        count = len(part.starts)
+        positions = np.empty(count, np.int64)
+        for begin in range(0, count, TOKENIZED_AT_ONCE):
+            examples = list(range(begin, min(begin + TOKENIZED_AT_ONCE, count)))
+            positions[examples] = [len(t) - 1 for t, _ in self._sequences(split, examples)]
+        order = part.order.rows(0, count, slice(0, count))  # epoch 0's order of the examples
+        part.windows = first_fit(order, positions, self.seq_len)
+        part.order = EpochOrder(len(part.windows), self.cfg.seed, shuffle=split == "train")
 
     def _fingerprint(self) -> str:
         fields = (self.cfg.field, self.cfg.prompt_field, self.cfg.response_field)
@@ -107,6 +139,8 @@ class JsonlText(ShuffledSplits):
                 self.text_examples.vocabulary_size(),
             )
         ]
+        if self.cfg.pack:
+            parts.append(("packed", OPEN_WINDOWS))
         parts += [
             (split, len(part.starts), int(part.starts[0])) for split, part in self.splits.items()
         ]
@@ -144,6 +178,17 @@ class JsonlText(ShuffledSplits):
         return "", record[cfg.field]
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
-        examples = [int(e) for e in self.rows(split, index, batch_size, rows)]
+        """A batch's rows: of one example each, or, where packed, of one window each (its
+        rows are then window ids)."""
+        ids = [int(i) for i in self.rows(split, index, batch_size, rows)]
+        if not self.cfg.pack:
+            texts = [self._text_of(self._record(split, e), split, e) for e in ids]
+            return self.text_examples.examples([p for p, _ in texts], [t for _, t in texts])
+        members = [self._part(split).windows.of(w).tolist() for w in ids]
+        sequences = iter(self._sequences(split, [e for window in members for e in window]))
+        windows = [[next(sequences) for _ in window] for window in members]
+        return packed_rows(windows, self.seq_len, self.text_examples.tokenizer.pad_token_id)
+
+    def _sequences(self, split: str, examples: list[int]) -> list[tuple[list[int], int]]:
         texts = [self._text_of(self._record(split, e), split, e) for e in examples]
-        return self.text_examples.examples([p for p, _ in texts], [t for _, t in texts])
+        return self.text_examples.sequences([p for p, _ in texts], [t for _, t in texts])

@@ -48,12 +48,7 @@ class TextExamples:
     def examples(self, prompts: list[str], texts: list[str]):
         """(x, y, sample_weight) of the texts, each after its prompt ('' for none): x holds
         `token_ids` and their `padding_mask`; only the texts' tokens are learned."""
-        # One call each for the batch's prompts and texts (keras-hub tokenizes lists).
-        prompt_ids = self._token_ids(prompts) if any(prompts) else [[] for _ in prompts]
-        packed = [
-            self._packed(prompt, text)
-            for prompt, text in zip(prompt_ids, self._token_ids(texts), strict=True)
-        ]
+        packed = self.sequences(prompts, texts)
         ids, real, learned = padded(
             [tokens for tokens, _ in packed],
             [first for _, first in packed],
@@ -62,6 +57,16 @@ class TextExamples:
         )
         x = {"token_ids": ids[:, :-1], "padding_mask": real[:, :-1]}
         return x, ids[:, 1:], next_token_weights(learned)
+
+    def sequences(self, prompts: list[str], texts: list[str]) -> list[tuple[list[int], int]]:
+        """Each text's tokens after its prompt's, before padding, and where the learned ones
+        begin (see `_packed`)."""
+        # One call each for the batch's prompts and texts (keras-hub tokenizes lists).
+        prompt_ids = self._token_ids(prompts) if any(prompts) else [[] for _ in prompts]
+        return [
+            self._packed(prompt, text)
+            for prompt, text in zip(prompt_ids, self._token_ids(texts), strict=True)
+        ]
 
     def _packed(self, prompt_ids: list[int], text_ids: list[int]) -> tuple[list[int], int]:
         """One example's tokens before padding (the start token, the prompt's and the text's

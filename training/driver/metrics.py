@@ -18,22 +18,29 @@ MAX_LOG_PERPLEXITY = 700.0
 
 @dataclass
 class Throughput:
-    """What turns examples per second into the figures compared across runs and hardware:
-    tokens per second per device, model TFLOP/s per device (`training.models.flops`) and
-    model FLOPs utilisation against the devices' peak (unknown until the hosts name their
-    devices, or given as plan.peak_tflops)."""
+    """What turns rows (a batch's examples) per second into the figures compared across runs
+    and hardware: examples per second where a row holds several (packed), tokens per second
+    per device (tokens that are not padding, where the data knows them), model TFLOP/s per
+    device (`training.models.flops`, of every position of a row) and model FLOPs utilisation
+    against the devices' peak (unknown until the hosts name their devices, or given as
+    plan.peak_tflops)."""
 
     devices: int
     positions_per_example: int = 1
     flops_per_example: float = 0.0
     peak_tflops: float | None = None
+    examples_per_row: float = 1.0
+    tokens_per_row: float | None = None
 
-    def figures(self, examples_per_second: float) -> dict:
-        per_device = examples_per_second / self.devices
+    def figures(self, rows_per_second: float) -> dict:
+        per_device = rows_per_second / self.devices
         tflops = per_device * self.flops_per_example / 1e12
         found = {"model_tflops_per_device": tflops}
+        if self.examples_per_row != 1.0:
+            found["examples_per_second"] = rows_per_second * self.examples_per_row
         if self.positions_per_example > 1:
-            found["tokens_per_second_per_device"] = per_device * self.positions_per_example
+            tokens = self.tokens_per_row or self.positions_per_example
+            found["tokens_per_second_per_device"] = per_device * tokens
         if self.peak_tflops:
             found["mfu"] = tflops / self.peak_tflops
         return found

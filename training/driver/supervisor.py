@@ -72,6 +72,8 @@ class Supervisor:
                 checked.data_spec.positions_per_example,
                 checked.flops_per_example,
                 cfg.plan.peak_tflops,
+                checked.data_spec.examples_per_row,
+                checked.data_spec.tokens_per_row,
             )
         )
         self.metrics = MetricsLog(

@@ -5,8 +5,9 @@ its weights, its tokenizer where it has one), or built from a backbone class's c
 sizes with random weights (`model.backbone`, `model.kwargs`). Either way it may be given
 LoRA (`model.lora_rank`: keras-hub's `enable_lora`, after which only the LoRA matrices
 train). A thin wrapper feeds it: a dict of `token_ids` and `padding_mask` (data=jsonl) goes
-through as it is; one array of token ids (windows cut from data=text or data=tokens, which
-have no padding) gets an all-ones padding mask.
+through as it is, and its `segment_ids` (data.pack) keep a packed row's examples apart
+(training/models/hub_packing.py); one array of token ids (windows cut from data=text or
+data=tokens, which have no padding) gets an all-ones padding mask.
 
 Its layout is the backbone class's own `get_layout_map` (Llama, Gemma, Qwen, ...), asked for
 our mesh axis names. Its keys are regexes full-matched against variable paths; the task's
@@ -30,11 +31,12 @@ import keras
 from training import keras_compat
 from training.config import ConfigError
 from training.contracts import MESH_AXES
-from training.models import hub_attention
+from training.models import hub_attention, hub_packing
 
 DATA_AXIS, MODEL_AXIS = MESH_AXES
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
 FED_INPUTS = {"token_ids", "padding_mask"}
+PACKED_INPUT = "segment_ids"  # packed rows' examples (data.pack), read by the wrapper itself
 EXAMPLES_SHOWN = 8
 EMBEDDINGS = "token_embedding/embeddings"
 REVERSE_EMBEDDINGS = "token_embedding/reverse_embeddings"
@@ -109,7 +111,7 @@ def causal_lm(
     if lora_rank:
         _enable_lora(task, lora_rank, lora_targets or None, _named(backbone, preset))
     hub_attention.install(task, attention)
-    return HubCausalLM(task)
+    return HubCausalLM(task, takes_packed=hub_packing.install(task))
 
 
 def _named(backbone: str, preset: str) -> str:
@@ -170,17 +172,31 @@ def _enable_lora(task, rank: int, targets: list[str] | None, named: str) -> None
 
 
 class HubCausalLM(keras.Model):
-    """A keras-hub CausalLM fed token ids, with or without their padding mask."""
+    """A keras-hub CausalLM fed token ids, with or without their padding mask, and packed
+    rows' `segment_ids` (data.pack; training/models/hub_packing.py) where `takes_packed`."""
 
-    def __init__(self, task, **kwargs):
+    def __init__(self, task, takes_packed: bool = False, **kwargs):
         super().__init__(name=f"{task.name}_fed", **kwargs)
         self.task = task
+        self.takes_packed = takes_packed
 
     def call(self, inputs):
         if not isinstance(inputs, dict):
             inputs = {"token_ids": inputs, "padding_mask": keras.ops.ones_like(inputs)}
         fed = {key: inputs[key] for key in self.task.backbone.input}
-        return keras.ops.cast(self.task(fed), "float32")
+        if PACKED_INPUT not in inputs:
+            return keras.ops.cast(self.task(fed), "float32")
+        if not self.takes_packed:
+            raise ConfigError(
+                f"data.pack=true: {type(self.task.backbone).__name__} cannot be fed packed "
+                "rows: only the architectures whose attention training/models/hub_attention.py "
+                f"knows can ({', '.join(keras_compat.HUB_ATTENTION_READERS)}); use "
+                "data.pack=false"
+            )
+        if keras_compat.in_symbolic_call():
+            return keras.ops.cast(self.task(fed), "float32")
+        with hub_packing.packed(inputs[PACKED_INPUT]):
+            return keras.ops.cast(self.task(fed), "float32")
 
     def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:
         """The task as a keras-hub preset: config, weights (LoRA merged into the kernels),

@@ -13,13 +13,15 @@ training/models/attention.py's kernels:
 - grouped-query attention without repeated key and value: the layer's repeats are undone
   (every `groups`-th head), which the compiler folds away with the repeat;
 - the layer's own logit scale and soft-capping;
-- the padding as segment ids, read from the mask's diagonal (a token sees itself exactly when
-  it is not padding): a query sees only keys that are not padding, as the mask says; the
-  outputs at padding positions differ (they see other padding), which no loss or real token
-  reads.
+- the padding and packed examples (training/models/hub_packing.py) as segment ids, read from
+  the mask's two diagonals (a token sees itself exactly when it is not padding, and the token
+  before it exactly when both are of one example): a query sees only keys of its own example
+  that are not padding, as the mask says; the outputs at padding positions differ (they see
+  other padding), which no loss or real token reads.
 
 Where the kernel cannot take a call (CPU under `auto`, a sequence that is not a multiple of
-its tiles, soft-capping on cuDNN, dropout of the attention weights while training) that
+its tiles, soft-capping on cuDNN, dropout of the attention weights while training, packed
+rows on cuDNN, which takes padding as lengths only) that
 call runs the layer's own code, with a warning saying why on an accelerator; so do calls
 whose query and key differ in length (cached generation's steps) and Keras' shape inference.
 An exported preset holds keras-hub's own classes: nothing is in their config.
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 
 from training import keras_compat
 from training.config import ConfigError
+from training.models import hub_packing
 from training.models.attention import Logits, choose, fused_attention, platform
 
 
@@ -69,8 +72,10 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
         reason = choice.reason if choice.kernel == "einsum" else ""
         if not reason and form.weights_dropout and kwargs.get("training"):
             reason = f"it drops attention weights out (dropout={form.weights_dropout})"
-            if implementation == "fused":
-                raise ValueError(f"model.attention=fused: {reason}")
+        if not reason and choice.kernel == "cudnn" and hub_packing.feeding_packed_rows():
+            reason = "cuDNN's kernel takes padding as lengths, not packed examples' segment ids"
+        if reason and choice.kernel != "einsum" and implementation == "fused":
+            raise ValueError(f"model.attention=fused: {reason}")
         if reason:
             if on != "cpu":
                 warnings.warn(f"keras-hub's own attention runs: {reason}", stacklevel=2)
@@ -78,10 +83,18 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
         if form.repeated:
             groups = heads // form.kv_heads
             key, value = key[:, :, ::groups], value[:, :, ::groups]
-        segments = None
-        if attention_mask is not None:
-            segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)
+        segments = None if attention_mask is None else segments_of(attention_mask)
         logits = Logits(form.scale, form.soft_cap, form.window)
         return fused_attention(choice, query, key, value, logits, segments)
 
     return compute
+
+
+def segments_of(mask):
+    """(batch, seq) segment ids of a (batch, seq, seq) causal mask of contiguous examples and
+    padding: 0 at padding (a position that does not see itself), else one id per example, a
+    new one wherever a position does not see the one before it."""
+    real = jnp.diagonal(mask, axis1=1, axis2=2) != 0
+    sees_previous = jnp.diagonal(mask, offset=-1, axis1=1, axis2=2) != 0
+    starts = jnp.concatenate([jnp.ones_like(real[:, :1]), ~sees_previous], axis=1)
+    return jnp.where(real, jnp.cumsum(starts, axis=1, dtype=jnp.int32), 0)

@@ -1,0 +1,155 @@
+"""Sequence packing (data.pack, training/data/packing.py) of data=jsonl: each example once per
+epoch, whole and unchanged (its tokens, labels and loss weights are those the unpacked dataset
+gives it), windows no longer than a row; the same windows in the same order for a resumed
+run; the real tokens and examples a row holds; a run that packs trains and reports them."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("keras_hub")
+
+from tests.conftest import run_config  # noqa: E402
+from tests.data.test_file_data import stream  # noqa: E402
+from tests.hub_presets import write_instructions, write_preset  # noqa: E402
+from training.config import ConfigError  # noqa: E402
+from training.data import build_dataset  # noqa: E402
+from training.data.packing import first_fit  # noqa: E402
+from training.run import run_training  # noqa: E402
+
+SEQ = 64
+LINES = 60
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packing")
+    return write_preset("llama", root / "llama"), write_instructions(root / "train.jsonl", LINES)
+
+
+def overrides(files, *more: str) -> list[str]:
+    preset, jsonl = files
+    return [
+        "model=hub",
+        f"model.preset={preset}",
+        f"model.seq_len={SEQ}",
+        "data=jsonl",
+        f"data.path={jsonl}",
+        "data.prompt_field=prompt",
+        "data.response_field=response",
+        "data.held_out_percent=20",
+        *more,
+    ]
+
+
+def dataset(files, pack: bool = True):
+    return build_dataset(run_config(overrides(files, f"data.pack={pack}")).data)
+
+
+def test_first_fit_puts_each_example_once_in_windows_that_hold_it():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, 500)
+    lengths[7] = 300  # longer than a window: cut to it
+    order = rng.permutation(500)
+    windows = first_fit(order, lengths, 100)
+    np.testing.assert_array_equal(np.sort(windows.members), np.arange(500))
+    held = [np.minimum(lengths[windows.of(w)], 100).sum() for w in range(len(windows))]
+    assert max(held) <= 100 and windows.positions == sum(held)
+    assert np.mean(held) > 90  # first fit over the open windows leaves little room
+    assert windows.of(next(w for w in range(len(windows)) if 7 in windows.of(w))).tolist() == [7]
+
+
+def test_each_packed_example_is_the_unpacked_one(files):
+    """Held-out examples (file order in both): every segment of every packed row equals the
+    unpacked dataset's row of that example: tokens, labels, loss weights (prompt and
+    padding weigh 0)."""
+    packed, unpacked = dataset(files), dataset(files, pack=False)
+    count = unpacked.spec.held_out_examples
+    x, y, weights = unpacked.batch("held_out", 0, count, slice(0, count))
+    rows = packed.spec.held_out_examples
+    px, py, pweights = packed.batch("held_out", 0, rows, slice(0, rows))
+    windows = packed.splits["held_out"].windows
+    seen = []
+    for row in range(rows):
+        segments = px["segment_ids"][row]
+        np.testing.assert_array_equal(px["padding_mask"][row], segments != 0)
+        for segment, example in enumerate(windows.of(row), start=1):
+            at = segments == segment
+            n = int(at.sum())
+            assert n == x["padding_mask"][example].sum() - 1  # all but the end token's
+            np.testing.assert_array_equal(px["token_ids"][row][at], x["token_ids"][example][:n])
+            np.testing.assert_array_equal(py[row][at], y[example][:n])
+            np.testing.assert_array_equal(pweights[row][at], weights[example][:n])
+            assert weights[example][n:].sum() == 0  # nothing learned is left out
+            seen.append(example)
+        assert not pweights[row][segments == 0].any()
+    assert sorted(seen) == list(range(count))
+
+
+def test_an_epoch_of_packed_rows_holds_every_example_once_and_the_figures_count_them(files):
+    data = dataset(files)
+    rows = data.spec.examples
+    x, _, _ = data.batch("train", 0, rows, slice(0, rows))
+    examples = sum(len(np.unique(s[s != 0])) for s in x["segment_ids"])
+    assert examples == data.spec.examples_per_row * rows == len(data.splits["train"].starts)
+    assert data.spec.tokens_per_row == pytest.approx(x["padding_mask"].sum() / rows)
+    assert data.spec.tokens_per_row > 0.8 * SEQ  # packed: little padding
+    assert dataset(files, pack=False).spec.tokens_per_row is None
+
+
+def test_a_resumed_run_reads_the_windows_an_uninterrupted_one_would(files):
+    """Windows by stream position, and their contents, from a dataset opened afresh."""
+    uninterrupted = dataset(files)
+    windows = stream(uninterrupted, "train", 4, 12)
+    np.testing.assert_array_equal(stream(dataset(files), "train", 4, 7, first=5), windows[20:])
+    read = [uninterrupted.batch("train", i, 4, slice(0, 4)) for i in range(6)][-1]
+    resumed = dataset(files).batch("train", 5, 4, slice(0, 4))
+    for got, want in zip(resumed[0].values(), read[0].values(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(resumed[2], read[2])
+
+
+def test_packing_needs_a_model_that_takes_segment_ids(files):
+    with pytest.raises(ConfigError, match="data.pack=true needs model=hub"):
+        run_config(
+            [
+                "model=keras",
+                "model.build=a:b",
+                "model.loss=mse",
+                "data=jsonl",
+                f"data.path={files[1]}",
+                f"data.tokenizer={files[0]}",
+                "data.pack=true",
+            ]
+        )
+
+
+@pytest.mark.slow
+def test_a_packed_run_trains_and_counts_real_tokens_and_examples(files, tmp_path):
+    """In process: the run's examples/s and tokens/s are the rows it fed per second times the
+    examples and the real tokens a row holds, as counted over the data's rows above."""
+    data = dataset(files)
+    more = [
+        "data.pack=true",
+        "cluster=inprocess",
+        "trainer.steps=4",
+        "trainer.log_interval=1",
+        "trainer.global_batch=8",
+        "trainer.eval_batches=1",
+    ]
+    summary = run_training(run_config(overrides(files, *more)), tmp_path)
+    assert summary["status"] == "completed" and np.isfinite(summary["final_loss"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steady = records[1:]
+    rows_per_second = sum(r["interval_examples"] for r in steady) / sum(
+        r["interval_seconds"] for r in steady
+    )
+    counted_x, _, _ = data.batch("train", 0, data.spec.examples, slice(0, data.spec.examples))
+    tokens_per_row = counted_x["padding_mask"].sum() / data.spec.examples
+    examples_per_row = len(data.splits["train"].starts) / data.spec.examples
+    devices = summary["devices_total"]
+    assert summary["examples_per_second"] == pytest.approx(rows_per_second * examples_per_row)
+    assert summary["tokens_per_second_per_device"] == pytest.approx(
+        rows_per_second * tokens_per_row / devices
+    )

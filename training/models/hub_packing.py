@@ -1,0 +1,72 @@
+"""Packed rows (data.pack, training/data/packing.py) for keras-hub's causal language models:
+examples kept apart inside one row by their segment ids, keras-hub itself untouched.
+
+keras-hub 0.32's backbones take token ids and a padding mask only. While the model is called
+on a packed row (`packed(segment_ids)`, from training/models/hub.py), each decoder layer's
+attention mask (`keras_compat.replace_attention_mask`, replaced on the instance as the run
+builds the model) is keras-hub's own (causal, padding, sliding window) and, besides, lets a
+position see only positions of its own example. Every attention path reads this mask:
+keras-hub's own, and the fused kernels (training/models/hub_attention.py), which take the
+segment ids from it. Outside `packed` (unpacked rows, cached generation) the mask is
+keras-hub's.
+
+Positions are left as they are: the architectures taken here (those hub_attention knows:
+Llama, Mistral, Qwen, Gemma) encode positions by rotary embeddings only, whose attention
+scores depend on the distance between two positions alone. An example's attention is then
+the same wherever it starts in its row, as if its positions restarted at 0 (the tests hold
+its logits to those it has alone in a row). A model with positions of its own (GPT-2's
+learned ones) is refused.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+
+from keras import ops
+
+from training import keras_compat
+
+_segments: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "packed_segments", default=None
+)
+
+
+def install(task) -> bool:
+    """Whether `task` can be fed packed rows: each of its attention layers is one
+    training/models/hub_attention.py knows (rotary positions only), and its decoder layers'
+    masks were replaced as the module's docstring says."""
+    layers = keras_compat.all_layers(task.backbone)
+    attention = [layer for layer in layers if keras_compat.computes_attention(layer)]
+    known = bool(attention) and all(keras_compat.hub_attention(a) is not None for a in attention)
+    if not known:
+        return False
+    return sum(keras_compat.replace_attention_mask(layer, _kept_apart) for layer in layers) > 0
+
+
+@contextmanager
+def packed(segment_ids):
+    """The model's layers called inside read `segment_ids` (batch, seq) as the rows'
+    examples: example k of a row is k, padding 0."""
+    token = _segments.set(segment_ids)
+    try:
+        yield
+    finally:
+        _segments.reset(token)
+
+
+def feeding_packed_rows() -> bool:
+    """Whether the model is being called on packed rows (inside `packed`)."""
+    return _segments.get() is not None
+
+
+def _kept_apart(own):
+    def mask(*args, **kwargs):
+        found = own(*args, **kwargs)
+        segments = _segments.get()
+        if segments is None or tuple(found.shape[1:]) != (segments.shape[1],) * 2:
+            return found
+        same = ops.equal(segments[:, :, None], segments[:, None, :])
+        return found * ops.cast(same, found.dtype)
+
+    return mask
