@@ -83,9 +83,10 @@ def test_half_a_run_then_a_resumed_half_matches_one_whole_run(uninterrupted, tmp
     straight = saved_values([f"checkpoint.dir={whole_checkpoints}"])
     assert resumed.keys() == straight.keys()
     for key, value in straight.items():
-        # Off by the reference's summation order (a few 1e-9 on weights near 1e-3); a resume
-        # that lost an update or the optimizer's state is off by 1e-5 and more.
-        np.testing.assert_allclose(resumed[key], value, rtol=1e-6, atol=1e-8, err_msg=key)
+        # Off by the reference's summation order (up to 2e-8 seen); an update of Adam at
+        # learning rate 1e-3 moves a weight by about 1e-3, so a resume that lost one or the
+        # optimizer's state is off by far more than 1e-6.
+        np.testing.assert_allclose(resumed[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
     # keep=3: steps 4, 6 (the first run's last), 8, 12 were saved; the newest 3 are left.
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == [
         6,
