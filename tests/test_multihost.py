@@ -290,11 +290,13 @@ TRANSFORMER = [
 
 def test_transformer_under_hybrid_learns_what_data_parallel_does(ray_cluster, tmp_path):
     """The same seed and text on the same 8 devices: splitting the model over 4 devices and
-    the batch over 2 hosts changes the arithmetic's order, not the result."""
+    the batch over 2 hosts changes the arithmetic's order, not the result. The data-parallel
+    reference runs in this process (one host of 8 devices: the hosts are the hybrid run's)."""
     hybrid = train(TRANSFORMER + ["strategy=hybrid", "mesh.data=2", "mesh.model=4"], tmp_path / "h")
-    data_parallel = train(TRANSFORMER, tmp_path / "dp")
-    for summary in (hybrid, data_parallel):
-        assert_hosts_agree(summary)
+    data_parallel = train(TRANSFORMER + ["cluster=inprocess"], tmp_path / "dp")
+    assert_hosts_agree(hybrid)
+    assert data_parallel["status"] == "completed"
+    assert data_parallel["mesh"] == {"data": 8, "model": 1}
     np.testing.assert_allclose(hybrid["loss_history"], data_parallel["loss_history"], rtol=1e-3)
     assert hybrid["eval_loss"] == pytest.approx(data_parallel["eval_loss"], rel=1e-3)
     assert hybrid["eval_perplexity"] == pytest.approx(np.exp(hybrid["eval_loss"]))

@@ -53,10 +53,16 @@ def saved_values(overrides: list[str]) -> dict[str, np.ndarray]:
     return values(model)
 
 
+# The uninterrupted references run in this process, one host of the same 8 devices: the hosts
+# are the compared runs' subject, not the references'. Their losses are the 2-host runs' within
+# a few 1e-7 (the gradients summed in another order).
+IN_PROCESS = ["cluster=inprocess"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, tmp_path_factory) -> tuple[dict, Path]:
     directory = tmp_path_factory.mktemp("uninterrupted")
-    overrides = [f"checkpoint.dir={directory / 'ckpt'}", "checkpoint.interval=4"]
+    overrides = [f"checkpoint.dir={directory / 'ckpt'}", "checkpoint.interval=4", *IN_PROCESS]
     return run_training(run_config(CHECKPOINTED + overrides), directory), directory / "ckpt"
 
 
@@ -77,7 +83,10 @@ def test_half_a_run_then_a_resumed_half_matches_one_whole_run(uninterrupted, tmp
     straight = saved_values([f"checkpoint.dir={whole_checkpoints}"])
     assert resumed.keys() == straight.keys()
     for key, value in straight.items():
-        np.testing.assert_allclose(resumed[key], value, rtol=1e-6, err_msg=key)
+        # Off by the reference's summation order (up to 2e-8 seen); an update of Adam at
+        # learning rate 1e-3 moves a weight by about 1e-3, so a resume that lost one or the
+        # optimizer's state is off by far more than 1e-6.
+        np.testing.assert_allclose(resumed[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
     # keep=3: steps 4, 6 (the first run's last), 8, 12 were saved; the newest 3 are left.
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == [
         6,
@@ -248,7 +257,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(ray_c
     assert_no_actor_left()
 
 
-def test_sigterm_checkpoints_the_current_step_and_the_next_run_resumes(ray_cluster, tmp_path):
+def test_sigterm_checkpoints_the_current_step_and_the_next_run_resumes(tmp_path):
     """The CLI, as a scheduler preempting it would: SIGTERM once training is under way."""
     checkpoint = f"checkpoint.dir={tmp_path / 'ckpt'}"
     command = [sys.executable, "-m", "training.run", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -271,10 +280,9 @@ def test_sigterm_checkpoints_the_current_step_and_the_next_run_resumes(ray_clust
     stopped = summary["checkpoint_step"]
     assert summary["logged_steps"][-1] == stopped < 1000  # saved off the interval, when asked
     assert f"stopped by SIGTERM after step {stopped}" in output
-    resumed = run_training(
-        run_config(CHECKPOINTED + [checkpoint, f"trainer.steps={stopped + 2}"]),
-        tmp_path / "resumed",
-    )
+    # The next run in this process: what the CLI's hosts saved is what is tested here.
+    more = [f"trainer.steps={stopped + 2}", *IN_PROCESS]
+    resumed = run_training(run_config(CHECKPOINTED + [checkpoint, *more]), tmp_path / "resumed")
     assert resumed["resumed_from_step"] == stopped and resumed["status"] == "completed"
 
 
@@ -301,7 +309,7 @@ def test_sigterm_to_one_host_saves_every_host_at_one_step_and_resumes_exactly(
     assert at <= stopped < 1000 and first["hosts"] == 2
     more = [f"trainer.steps={stopped + 3}"]
     resumed = run_training(run_config(CHECKPOINTED + checkpoints + more), tmp_path / "b")
-    whole = run_training(run_config(CHECKPOINTED + more), tmp_path / "c")
+    whole = run_training(run_config(CHECKPOINTED + more + IN_PROCESS), tmp_path / "c")
     assert resumed["resumed_from_step"] == stopped and resumed["status"] == "completed"
     np.testing.assert_allclose(
         first["loss_history"] + resumed["loss_history"], whole["loss_history"], rtol=1e-6

@@ -9,6 +9,7 @@ import signal
 
 import fsspec
 import keras
+import numpy as np
 import pytest
 from etils.epath import backend as etils_backend
 
@@ -46,12 +47,11 @@ def test_two_hosts_checkpoint_to_gcs_lose_one_and_resume_as_one_whole_run(
     (tensorstore for the arrays, gcsfs for the rest); host 1 or 0 killed after step 3; a
     fresh pair resumes from the bucket. The reference reads the file on disk and saves
     nothing. Ray first (run alone): the hosts find the bucket only where the run passes on
-    the endpoints."""
+    the endpoints. The reference runs in this process (one host, the same 8 devices)."""
     local = token_file(tmp_path)
     data = upload(local, f"{gcs}/resume/train.bin")
-    whole = run_training(
-        run_config([*TRAINED, f"data.path={local}", "export.enabled=false"]), tmp_path / "whole"
-    )
+    reference = [f"data.path={local}", "export.enabled=false", "cluster=inprocess"]
+    whole = run_training(run_config([*TRAINED, *reference]), tmp_path / "whole")
     checkpoints, export = f"{gcs}/resume/checkpoints", f"{gcs}/resume/export"
     overrides = [f"data.path={data}", f"checkpoint.dir={checkpoints}", "checkpoint.interval=2"]
     hit = signal_a_host_after_step(tmp_path / "bucket", 3)
@@ -68,7 +68,8 @@ def test_two_hosts_checkpoint_to_gcs_lose_one_and_resume_as_one_whole_run(
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (failure,) = summary["failures"]
     assert 2 <= failure["resumed_from_step"] < STEPS
-    assert summary["loss_history"] == whole["loss_history"]
+    # Two processes sum the gradients in another order than one: a few 1e-7 apart.
+    np.testing.assert_allclose(summary["loss_history"], whole["loss_history"], rtol=1e-6)
     assert {"4", "6", "8"} <= set(objects_under(checkpoints))
     assert summary["checkpoint_bytes"] > 0  # listed in the bucket by the driver
     assert summary["exported_model"] == f"{export}/model.keras"
