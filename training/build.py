@@ -33,7 +33,12 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
     dataset = build_dataset(cfg.data)
     model = build_compiled(cfg, dataset.spec)
-    gather_for_use(model)  # fsdp's weights, and those a model's own rules split over `data`
+    if grid.shape[1] > 1 or grid.flat[0].platform != "tpu":
+        # On TPU without a model axis libtpu reduce-scatters each gradient as it is made,
+        # where weights gathered for the backward pass keep every whole gradient alive; with
+        # one, XLA may re-split activations over `data` instead; XLA:CPU keeps whole
+        # gradients either way, and more without (`training.parallel.fsdp`).
+        gather_for_use(model)  # fsdp's weights, and those a model's own rules split over `data`
     return model, dataset
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from tests.conftest import run_config
 from training.config import ConfigError
+from training.data import build_dataset
 from training.driver.preflight import preflight
 from training.plan import make_plan, sized_for_the_plan
-from training.planning import target
+from training.planning import costs, target
 from training.planning.target import compile_target
 
 V5E_2X2 = [
@@ -46,6 +47,20 @@ def test_a_tpu_slice_is_sized_and_compiled_for_by_the_tpu_compiler():
     compiled = slice_plan(("model=mlp", "strategy=fsdp")).compiled
     assert compiled.device_kind == "TPU v5 lite"
     assert {c.group for c in compiled.collectives} == {4}
+
+
+def test_on_a_tpu_slice_the_fsdp_step_never_holds_every_whole_gradient():
+    """Under fsdp libtpu reduce-scatters each gradient as the backward pass makes it: the
+    step's memory above its (split) state stays under the whole gradients' size. With each
+    weight gathered for the backward pass (the step on XLA:CPU) every whole gradient is made
+    before any is reduced: 86 MB above the state for wide_mlp's 67 MB of gradients."""
+    overrides = ("model=wide_mlp", "strategy=fsdp")
+    compiled = slice_plan(overrides).compiled
+    cfg = slice_config(list(overrides))
+    float32_gradients = (
+        4 * costs.abstract_model(cfg, build_dataset(cfg.data).spec).trainable_parameters
+    )
+    assert compiled.memory.needed - compiled.memory.arguments < float32_gradients
 
 
 @pytest.mark.slow
