@@ -119,6 +119,9 @@ def slice_devices(topology: str) -> list:
     """libtpu's compile-only devices of a TPU slice (`v5e:16x16`), made once a process."""
     # libtpu looks for the other TPU VMs of a slice unless told it is alone.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Compiling needs no chip, so no lock on one: plans in two processes (a sweep's trials,
+    # a plan beside a run) would otherwise fail on libtpu's machine-wide lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
