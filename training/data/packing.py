@@ -8,8 +8,8 @@ epoch (each epoch visits them in a fresh order), so a resumed run reads the same
 the same steps. An example longer than a window is cut to the window, as it is unpacked.
 
 In a window, example k (from 1) has segment id k on its positions and padding has 0; the
-model (training/models/hub_packing.py) restarts positions at each example and lets no
-position attend across examples or to padding.
+model (training/models/hub_packing.py) lets no position attend across examples or to padding
+(positions are not renumbered: the models taken see rotary positions as distances only).
 """
 
 from __future__ import annotations

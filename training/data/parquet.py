@@ -1,5 +1,5 @@
 """One column of a parquet file, one example a row (`data=parquet`), as datasets are published:
-text (a string column), tokenized on the hosts and packed as data=jsonl packs a line, or token
+text (a string column), tokenized on the hosts and laid out as data=jsonl lays out a line, or token
 ids (a list of integers), cut and padded as they are (`training/data/record_examples.py`).
 
 A parquet file is read by column chunks. Start-up reads its footer only (the schema and the

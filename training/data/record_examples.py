@@ -48,10 +48,10 @@ class TextExamples:
     def examples(self, prompts: list[str], texts: list[str]):
         """(x, y, sample_weight) of the texts, each after its prompt ('' for none): x holds
         `token_ids` and their `padding_mask`; only the texts' tokens are learned."""
-        packed = self.sequences(prompts, texts)
+        sequences = self.sequences(prompts, texts)
         ids, real, learned = padded(
-            [tokens for tokens, _ in packed],
-            [first for _, first in packed],
+            [tokens for tokens, _ in sequences],
+            [first for _, first in sequences],
             self.seq_len + 1,
             self.tokenizer.pad_token_id,
         )
@@ -60,15 +60,15 @@ class TextExamples:
 
     def sequences(self, prompts: list[str], texts: list[str]) -> list[tuple[list[int], int]]:
         """Each text's tokens after its prompt's, before padding, and where the learned ones
-        begin (see `_packed`)."""
+        begin (see `_sequence`)."""
         # One call each for the batch's prompts and texts (keras-hub tokenizes lists).
         prompt_ids = self._token_ids(prompts) if any(prompts) else [[] for _ in prompts]
         return [
-            self._packed(prompt, text)
+            self._sequence(prompt, text)
             for prompt, text in zip(prompt_ids, self._token_ids(texts), strict=True)
         ]
 
-    def _packed(self, prompt_ids: list[int], text_ids: list[int]) -> tuple[list[int], int]:
+    def _sequence(self, prompt_ids: list[int], text_ids: list[int]) -> tuple[list[int], int]:
         """One example's tokens before padding (the start token, the prompt's and the text's
         tokens cut to seq_len + 1 in all, the end token) and where the learned ones begin
         (after the start token and the prompt)."""
@@ -83,7 +83,7 @@ class TextExamples:
 
 def _tokenizer(preset: str, dataset: str):
     """(tokenizer, adds a start token, adds an end token) of the preset's CausalLM
-    preprocessor: text is packed as keras-hub packs it for that model."""
+    preprocessor: text is laid out as keras-hub lays it out for that model."""
     try:
         import keras_hub
     except ImportError as error:

@@ -21,7 +21,6 @@ class ReturningHosts:
     """The hosts of `cluster` past the first `held`, requested from Ray until released."""
 
     def __init__(self, cluster: ClusterConfig, held: int):
-        self.missing = cluster.hosts - held
         self._placement = placement_group(
             host_bundles(cluster)[held:], strategy=placement_strategy(cluster)
         )

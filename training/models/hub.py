@@ -22,6 +22,7 @@ without the extra.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from typing import Any
@@ -184,18 +185,16 @@ class HubCausalLM(keras.Model):
         if not isinstance(inputs, dict):
             inputs = {"token_ids": inputs, "padding_mask": keras.ops.ones_like(inputs)}
         fed = {key: inputs[key] for key in self.task.backbone.input}
-        if PACKED_INPUT not in inputs:
-            return keras.ops.cast(self.task(fed), "float32")
-        if not self.takes_packed:
+        segments = inputs.get(PACKED_INPUT)
+        if segments is not None and not self.takes_packed:
             raise ConfigError(
                 f"data.pack=true: {type(self.task.backbone).__name__} cannot be fed packed "
                 "rows: only the architectures whose attention training/models/hub_attention.py "
                 f"knows can ({', '.join(keras_compat.HUB_ATTENTION_READERS)}); use "
                 "data.pack=false"
             )
-        if keras_compat.in_symbolic_call():
-            return keras.ops.cast(self.task(fed), "float32")
-        with hub_packing.packed(inputs[PACKED_INPUT]):
+        unpacked = segments is None or keras_compat.in_symbolic_call()
+        with contextlib.nullcontext() if unpacked else hub_packing.packed(segments):
             return keras.ops.cast(self.task(fed), "float32")
 
     def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:
