@@ -383,26 +383,33 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     ray_cluster, tmp_path
 ):
     """fault.elastic on 4 hosts × 2 devices, filling the test's 4-CPU Ray instance: after
-    step 3 one host is killed and, as a node lost for good would, its CPU is taken (by a
-    placement group queued before the run could ask for a replacement). No fifth host can be
+    step 3 one host is killed and, as a node lost for good would, its CPU is taken (by an
+    actor queued before the run could ask for a replacement). No fifth host can be
     placed within fault.replace_timeout_s, so the run goes on from the newest checkpoint on
     2 hosts with trainer.accumulate=2. Then the CPU is given back, as a node joining would:
     the 2 hosts checkpoint at the next step all reach, and the run grows back to 4 hosts
     with trainer.accumulate=1 from that checkpoint. Each loss, on 4 hosts, on 2, on 4 again,
     is plain Keras' on one device with the whole batch."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class CpuTaker:
+        pass
 
     taken = {}
 
     def lose_a_host_for_good() -> dict:
-        # Queued while every CPU is held: it gets the lost host's CPU once the group leaves.
-        taken["group"] = placement_group([{"CPU": 1}])
+        # Queued at the raylet while every CPU is held, it gets the lost host's CPU when the
+        # run's placement group is removed, before the run's next group can ask. (A queued
+        # placement group would not: the GCS retries those after a backoff, and the run's
+        # new group, created later, was placed first in CI.)
+        taken["actor"] = CpuTaker.remote()
         pid = [a.pid for a in alive_actors("HostActor")][-1]
         os.kill(pid, signal.SIGKILL)
         return {"pid": pid}
 
     def give_the_host_back() -> None:
-        remove_placement_group(taken.pop("group"))
+        ray.kill(taken.pop("actor"))
 
     hit = while_running(tmp_path, lambda lines: len(lines) >= 3, lose_a_host_for_good)
     once_logged(tmp_path, "going on with fewer hosts", give_the_host_back)
@@ -418,8 +425,8 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     try:
         summary = run_training(run_config(CHECKPOINTED + elastic), tmp_path)
     finally:
-        if "group" in taken:
-            remove_placement_group(taken["group"])
+        if "actor" in taken:
+            ray.kill(taken["actor"])
     assert "pid" in hit, f"no host was killed: {hit}"
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (failure,) = summary["failures"]
