@@ -11,8 +11,6 @@ from __future__ import annotations
 from numbers import Real
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
-
 
 def scalars(record: dict) -> dict[str, float]:
     """tag -> value for every numeric field of a metric row but the step itself."""
@@ -33,6 +31,11 @@ def _numeric(value) -> bool:
 
 class ScalarWriter:
     def __init__(self, run_dir: Path):
+        # Imported here, not with the module: tensorboardX imports torch where it is installed
+        # (the `hf` extra), seconds that a command failing on its config, a plan or a report
+        # should not wait for.
+        from tensorboardX import SummaryWriter
+
         self._writer = SummaryWriter(str(run_dir))
 
     def write(self, record: dict) -> None:
