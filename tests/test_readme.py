@@ -93,7 +93,16 @@ def test_each_run_command_composes_as_written(command, monkeypatch):
     compose_run_config(trial)
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c.module == "training.plan"], ids=str)
+@pytest.mark.parametrize(
+    "command",
+    # A hybrid plan compiles the most candidates: the whole suite's, the others quick.
+    [
+        pytest.param(c, marks=[pytest.mark.slow] if "strategy=hybrid" in c.args else [])
+        for c in COMMANDS
+        if c.module == "training.plan"
+    ],
+    ids=str,
+)
 def test_each_plan_command_runs_as_written(command, monkeypatch):
     monkeypatch.chdir(command.cwd)
     assert plan.main(list(command.args)) == 0

@@ -8,12 +8,11 @@ checkpoint."""
 
 import json
 import os
+from importlib.util import find_spec
 
 import pytest
 
 pytest.importorskip("keras_hub")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -30,8 +29,13 @@ from training.checkpoint.hf_export import export_for_transformers  # noqa: E402
 from training.models.hub import causal_lm  # noqa: E402
 from training.run import run_training  # noqa: E402
 
-# torch and transformers load each export: the full suite's.
-pytestmark = pytest.mark.slow
+# torch and transformers load each export: the full suite's. Looked for, not imported, here:
+# importing them (and peft) costs every collection of the suite, the quick one too, seconds.
+MISSING = [name for name in ("torch", "transformers", "peft") if find_spec(name) is None]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)}"),
+]
 
 FLOAT32_BOUND = 1e-4  # the issue's target, in logits' absolute difference
 LLAMA2_SIZES = dict(num_key_value_heads=2, rope_max_wavelength=500)

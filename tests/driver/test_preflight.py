@@ -91,16 +91,19 @@ def test_variable_matched_by_two_rules_is_rejected():
         (["strategy.fsdp=true"], "with strategy=data_parallel use strategy=fsdp"),
         (["trainer.remat=block_\\d+_nothing"], "as a regex it matches no layer's path"),
         (["trainer.remat='block_(0'"], r"trainer.remat='block_\(0' is not a regex"),
-        (
+        # Each compiles several candidate steps: left to the whole suite.
+        pytest.param(
             ["model=wide_mlp", "plan.device_memory_gb=0.2"],
             # CPU hosts: the driver compiles their step, and the compiler decides.
             r"strategy=data_parallel on mesh 8×1 needs 336 MB per device by its compiled step "
             r".* more than plan.device_memory_gb=0.2; these fit by their compiled steps: "
             r"strategy=fsdp \(160 MB\)",
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             ["model=wide_mlp", "plan.device_memory_gb=0.01"],
             "needs 336 MB .* none of the changes of one setting fits by its compiled step",
+            marks=pytest.mark.slow,
         ),
         (
             ["trainer.global_batch=64", "trainer.accumulate=16"],

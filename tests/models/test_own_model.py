@@ -474,6 +474,7 @@ def test_outputs_that_differ_from_the_label_arrays_or_losses_are_one_error_namin
         preflight(compose_run_config(overrides))
 
 
+@pytest.mark.slow  # it compiles a step for each candidate layout
 def test_the_plan_derives_and_compiles_a_layout_for_a_model_of_several_outputs(workdir, capsys):
     """`python -m training.plan` with strategy.layout=auto: rules from the ticket model's
     structure (its embeddings split by vocabulary), the hosts' step compiled with its labels

@@ -165,7 +165,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    # The transformer's compile is the slower: the whole suite's, the MLP's the quick subset's.
+    [
+        pytest.param(c, marks=[pytest.mark.slow] if c.startswith("transformer") else [])
+        for c in CASES
+    ],
+)
 def test_plan_of_an_auto_layout_matches_the_compiled_step(case):
     strategy, mesh, overrides = CASES[case]
     cfg = run_config([f"strategy={strategy}", "strategy.layout=auto", *overrides])
