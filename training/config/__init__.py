@@ -76,6 +76,9 @@ from training.tpus import count_tpu_chips, slice_device_memory, tpu_kind
 
 # plan.device_memory_gb where the device's own is not known here: an 80 GB GPU's.
 DEFAULT_DEVICE_MEMORY_GB = 80.0
+# The models that take packed rows' segment ids (data.pack): keras-hub's causal LMs
+# (training/models/hub_packing.py) and the transformer (training/models/transformer.py).
+PACKED_MODELS = ("hub", "transformer")
 
 __all__ = [
     "AUTO",
@@ -171,9 +174,9 @@ class RunConfig:
             "strategy=auto picks the mesh as well: drop mesh.data and mesh.model",
         )
         require(
-            not getattr(self.data, "pack", False) or self.model.name == "hub",
-            "data.pack=true needs model=hub: a keras-hub causal LM takes the packed examples' "
-            f"segment ids, model={self.model.name} does not",
+            not getattr(self.data, "pack", False) or self.model.name in PACKED_MODELS,
+            "data.pack=true needs a model that keeps packed examples apart by their segment "
+            f"ids: model=hub or model=transformer; model={self.model.name} does not",
         )
         require(
             not self.checkpoint.keep_best or self.trainer.eval_batches != 0,

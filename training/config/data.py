@@ -33,6 +33,9 @@ class TextDataConfig:
     seq_len: int = 128  # the yaml takes model.seq_len
     held_out_percent: float = 10.0  # of the files, chosen by a hash of their names
     seed: int = 1234  # shuffles the training windows
+    # Each file is a document: several share a row, kept apart by segment ids
+    # (training/data/packing.py); the model must take them (model=transformer or hub).
+    pack: bool = False
 
     def __post_init__(self) -> None:
         require(self.seq_len >= 1, "data.seq_len must be >= 1")
@@ -83,6 +86,11 @@ class TokenDataConfig(FileDataConfig):
     # The vocabulary (nanoGPT's meta.pkl has it); 0: unknown, as finding the largest token id
     # would read the whole file. Where set, every batch is checked against it.
     vocab_size: int = 0
+    # Documents share a row, kept apart by segment ids (training/data/packing.py); the model
+    # must take them (model=transformer or hub). Each document ends with the token id
+    # `document_end` (nanoGPT's prepare scripts end each with GPT-2's <|endoftext|>, 50256).
+    pack: bool = False
+    document_end: int = -1  # -1: none given
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,6 +100,22 @@ class TokenDataConfig(FileDataConfig):
         )
         require(self.seq_len >= 1, "data.seq_len must be >= 1")
         require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
+        require(
+            not self.pack or self.document_end >= 0,
+            "data.pack=true with data=tokens needs data.document_end: the token id that ends "
+            "each document (GPT-2's <|endoftext|>, which nanoGPT's prepare scripts write, is "
+            "50256)",
+        )
+        require(
+            self.pack or self.document_end < 0,
+            "data.document_end marks the documents data.pack=true packs: set data.pack=true "
+            "or leave data.document_end out",
+        )
+        require(
+            not self.vocab_size or self.document_end < self.vocab_size,
+            f"data.document_end={self.document_end} is not a token id below "
+            f"data.vocab_size={self.vocab_size}",
+        )
 
 
 @dataclass

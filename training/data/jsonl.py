@@ -29,7 +29,7 @@ import numpy as np
 from training.config import ConfigError, JsonlDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import EpochOrder, ShuffledSplits, sampled_fingerprint
-from training.data.packing import OPEN_WINDOWS, Windows, first_fit, packed_rows
+from training.data.packing import OPEN_WINDOWS, Windows, pack, packed_rows
 from training.data.record_examples import TextExamples
 from training.data.storage import BucketArray, newlines, open_flat
 
@@ -124,9 +124,7 @@ class JsonlText(ShuffledSplits):
         for begin in range(0, count, TOKENIZED_AT_ONCE):
             examples = list(range(begin, min(begin + TOKENIZED_AT_ONCE, count)))
             positions[examples] = [len(t) - 1 for t, _ in self._sequences(split, examples)]
-        order = part.order.rows(0, count, slice(0, count))  # epoch 0's order of the examples
-        part.windows = first_fit(order, positions, self.seq_len)
-        part.order = EpochOrder(len(part.windows), self.cfg.seed, shuffle=split == "train")
+        part.windows, part.order = pack(positions, self.seq_len, self.cfg.seed, split == "train")
 
     def _fingerprint(self) -> str:
         fields = (self.cfg.field, self.cfg.prompt_field, self.cfg.response_field)

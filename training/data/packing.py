@@ -1,15 +1,20 @@
 """Sequence packing (`data.pack`): several examples share one window of `seq_len` positions.
 
 Which examples share a window is computed once, when the dataset opens, from every
-example's length: examples in a fixed order (a shuffle from the data's seed for training,
-file order held out) go first-fit into the newest `OPEN_WINDOWS` windows with room, else open
-a new window. The windows are then the rows of the data: the same on every host and in every
-epoch (each epoch visits them in a fresh order), so a resumed run reads the same windows at
-the same steps. An example longer than a window is cut to the window, as it is unpacked.
+example's length (`pack`): examples in a fixed order (a shuffle from the data's seed for
+training, file order held out) go first-fit into the newest `OPEN_WINDOWS` windows with room,
+else open a new window. The windows are then the rows of the data: the same on every host and
+in every epoch (each epoch visits them in a fresh order), so a resumed run reads the same
+windows at the same steps. An example longer than a window is cut to the window, as it is
+unpacked (data=jsonl's lines).
+
+The examples of a flat token stream (data=text's files, data=tokens' documents) are its
+documents, each cut into pieces of at most a window (`document_pieces`), so no token is lost;
+`PackedDocuments` packs them and reads a batch's windows from the stream.
 
 In a window, example k (from 1) has segment id k on its positions and padding has 0; the
-model (training/models/hub_packing.py) lets no position attend across examples or to padding
-(positions are not renumbered: the models taken see rotary positions as distances only).
+models that take packed rows (training/models/hub_packing.py, training/models/transformer.py)
+let no position attend across examples or to padding, and no label is another example's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from training.data import EpochOrder
+from training.data.storage import BucketArray, spans
 
 # Windows still taking examples: first fit over all of them costs O(examples × windows); over
 # the newest few it is O(examples) and, for examples much shorter than a window, about as full.
@@ -80,3 +88,58 @@ def first_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> Windows:
         bounds=np.concatenate([[0], np.cumsum(sizes)]),
         positions=int(lengths[order].sum()),
     )
+
+
+def pack(positions: np.ndarray, capacity: int, seed: int, shuffle: bool):
+    """(windows, order of the windows by stream position): examples of `positions` each,
+    taken in epoch 0's order of the examples (a shuffle from `seed`, or as they are), packed
+    by `first_fit`."""
+    count = len(positions)
+    order = EpochOrder(count, seed, shuffle).rows(0, count, slice(0, count))
+    windows = first_fit(order, positions, capacity)
+    return windows, EpochOrder(len(windows), seed, shuffle)
+
+
+def document_pieces(starts: np.ndarray, ends: np.ndarray, seq_len: int):
+    """(first token, tokens) of each piece of the documents `starts[i]:ends[i]` of a flat
+    token stream. A document of n tokens has n - 1 positions (each token but its first is
+    predicted from those before it, never from another document's); it is cut into pieces of
+    at most `seq_len` positions, `seq_len + 1` tokens, each piece's first token the last of
+    the one before, so each of its tokens but the first is predicted once, as unpacked windows
+    predict them. A document of one token has no piece."""
+    positions = np.asarray(ends, np.int64) - np.asarray(starts, np.int64) - 1
+    counts = np.maximum(0, -(-positions // seq_len))
+    document = np.repeat(np.arange(len(positions)), counts)
+    nth = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = np.asarray(starts, np.int64)[document] + nth * seq_len
+    return first, np.minimum(seq_len, positions[document] - nth * seq_len) + 1
+
+
+class PackedDocuments:
+    """A split of a flat token stream whose documents (`starts[i]:ends[i]`) are packed, in
+    pieces, into windows of `seq_len` positions; its rows are the windows."""
+
+    def __init__(self, starts, ends, seq_len: int, seed: int, shuffle: bool):
+        self.seq_len = seq_len
+        self.first, self.tokens = document_pieces(starts, ends, seq_len)
+        self.windows, self.order = pack(self.tokens - 1, seq_len, seed, shuffle)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    @property
+    def pieces_per_window(self) -> float:
+        return len(self.first) / len(self.windows)
+
+    @property
+    def positions_per_window(self) -> float:
+        return self.windows.positions / len(self.windows)
+
+    def rows(self, stream: np.ndarray | BucketArray, windows: np.ndarray, pad_id: int = 0):
+        """`packed_rows` of these windows (ids), their pieces read from `stream`."""
+        members = [self.windows.of(int(w)) for w in windows]
+        ids = np.concatenate(members) if members else np.zeros(0, np.int64)
+        pieces = iter(spans(stream, self.first[ids], self.tokens[ids]))
+        return packed_rows(
+            [[(next(pieces), 0) for _ in window] for window in members], self.seq_len, pad_id
+        )

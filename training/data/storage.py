@@ -12,7 +12,6 @@ tensorstore's own GCS client.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -72,29 +71,28 @@ class BucketArray:
         """(len(starts), length): the `length` items from each start."""
         if not len(starts):
             return np.zeros((0, length), self.dtype)
+        return np.stack(self.spans(starts, np.full(len(starts), length)))
+
+    def spans(self, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """The `lengths[i]` items from each `starts[i]`, in one concurrent call, spans
+        close together in one range."""
+        if not len(starts):
+            return []
         from fsspec.utils import merge_offset_ranges
 
         first = [int(s) * self.itemsize for s in starts]
-        last = [f + length * self.itemsize for f in first]
+        last = [f + int(n) * self.itemsize for f, n in zip(first, lengths, strict=True)]
         _, block_starts, block_ends = merge_offset_ranges(
             [self.path] * len(first), first, last, max_gap=MERGED_GAP_BYTES
         )
         blocks = self.fs.cat_ranges([self.path] * len(block_starts), block_starts, block_ends)
-        # Merged without a size limit, the blocks are disjoint: a window is in the block
+        # Merged without a size limit, the blocks are disjoint: a span is in the block
         # starting last at or before it.
         holding = np.searchsorted(block_starts, first, side="right") - 1
-        return np.stack(
-            [
-                np.frombuffer(blocks[b], self.dtype, count=length, offset=f - block_starts[b])
-                for f, b in zip(first, holding, strict=True)
-            ]
-        )
-
-    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset in items, items) over the whole object, STREAM_BYTES at a time."""
-        step = max(1, STREAM_BYTES // self.itemsize)
-        for start in range(0, self.size, step):
-            yield start, self[start : start + step]
+        return [
+            np.frombuffer(blocks[b], self.dtype, count=int(n), offset=f - block_starts[b])
+            for f, n, b in zip(first, lengths, holding, strict=True)
+        ]
 
 
 def is_bucket(path: str) -> bool:
@@ -209,11 +207,28 @@ def windows(array: np.ndarray | BucketArray, starts: np.ndarray, length: int) ->
     return array[starts[:, None] + np.arange(length)]
 
 
+def spans(
+    array: np.ndarray | BucketArray, starts: np.ndarray, lengths: np.ndarray
+) -> list[np.ndarray]:
+    """The `lengths[i]` items of `array` from each `starts[i]`."""
+    if isinstance(array, BucketArray):
+        return array.spans(starts, lengths)
+    return [array[int(s) : int(s) + int(n)] for s, n in zip(starts, lengths, strict=True)]
+
+
 def newlines(array: np.ndarray | BucketArray) -> np.ndarray:
-    """Offsets of every b'\\n' in a byte array; a bucket's object is streamed once."""
-    if not isinstance(array, BucketArray):
-        return np.flatnonzero(array == ord("\n"))
-    found = [start + np.flatnonzero(chunk == ord("\n")) for start, chunk in array.chunks()]
+    """Offsets of every b'\\n' in a byte array."""
+    return occurrences(array, ord("\n"))
+
+
+def occurrences(array: np.ndarray | BucketArray, value: int) -> np.ndarray:
+    """Offsets of every item equal to `value` in a flat array, read STREAM_BYTES at a time (a
+    bucket's object streamed once; a memory-mapped file never compared whole in memory)."""
+    step = max(1, STREAM_BYTES // array.itemsize)
+    found = [
+        start + np.flatnonzero(array[start : start + step] == value)
+        for start in range(0, len(array), step)
+    ]
     return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 

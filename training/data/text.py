@@ -5,6 +5,11 @@ about 4.7 MB): real text that no one here wrote, read at run time with no downlo
 files are held out, chosen by a hash of their names, so held-out text never reaches training.
 Training windows of `seq_len + 1` bytes start every `seq_len` bytes, in a fixed shuffled order;
 held-out windows do not overlap and keep their order.
+
+With `data.pack` each file is a document: files are cut into pieces of at most `seq_len`
+positions and packed several to a row, kept apart by segment ids (training/data/packing.py),
+so no window crosses from one file into the next; the rows are visited as data=jsonl's packed
+rows are, in a fresh shuffle each epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 from training.config import ConfigError, TextDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import batch_positions, prior_cross_entropy
+from training.data.packing import OPEN_WINDOWS, PackedDocuments
 
 VOCAB = 256  # bytes
 
@@ -51,11 +57,20 @@ class TextCorpus:
     def __init__(self, cfg: TextDataConfig):
         self.window = cfg.seq_len + 1
         self.files = split_files(cfg)
+        contents = {split: [p.read_bytes() for p in files] for split, files in self.files.items()}
         self.streams = {
-            split: np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
-            for split, files in self.files.items()
+            split: np.frombuffer(b"".join(texts), dtype=np.uint8)
+            for split, texts in contents.items()
         }
         train, held_out = self.streams["train"], self.streams["held_out"]
+        if cfg.pack:
+            self.packed = {
+                split: _packed_files(split, [len(t) for t in texts], cfg)
+                for split, texts in contents.items()
+            }
+            self.spec = self._packed_spec(cfg, contents)
+            return
+        self.packed = None
         for split, stream in self.streams.items():
             if len(stream) < self.window:
                 raise ConfigError(
@@ -78,17 +93,59 @@ class TextCorpus:
             positions_per_example=cfg.seq_len,
         )
 
+    def _packed_spec(self, cfg: TextDataConfig, contents: dict[str, list[bytes]]) -> DataSpec:
+        train, held_out = self.packed["train"], self.packed["held_out"]
+        sizes = {split: [len(t) for t in texts] for split, texts in contents.items()}
+        tokens = ArraySpec((cfg.seq_len,), "int32")
+        return DataSpec(
+            inputs={"token_ids": tokens, "padding_mask": tokens, "segment_ids": tokens},
+            labels=tokens,
+            examples=len(train),
+            held_out_examples=len(held_out),
+            fingerprint=hashlib.sha256(
+                repr(("packed", OPEN_WINDOWS, cfg.seq_len, sizes)).encode()
+                + self.streams["train"].tobytes()
+                + self.streams["held_out"].tobytes()
+            ).hexdigest(),
+            num_classes=VOCAB,
+            baseline_loss=prior_cross_entropy(
+                self.streams["train"], self.streams["held_out"], VOCAB
+            ),
+            positions_per_example=cfg.seq_len,
+            sample_weight=ArraySpec((cfg.seq_len,), "float32"),
+            examples_per_row=train.pieces_per_window,
+            tokens_per_row=train.positions_per_window,
+        )
+
     def window_starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
         """Offsets in the split's byte stream of rows `rows` of batch `index`."""
         starts = self.starts[split]
         return starts[batch_positions(index, batch_size, rows, len(starts))]
 
     def rows(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
-        """Window ids: a window's offset over the spacing of the split's windows."""
+        """Window ids: a window's offset over the spacing of the split's windows (packed: the
+        id of the window of documents)."""
+        if self.packed:
+            return self.packed[split].order.rows(index, batch_size, rows)
         spacing = self.window - 1 if split == "train" else self.window
         return self.window_starts(split, index, batch_size, rows) // spacing
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
+        if self.packed:
+            windows = self.rows(split, index, batch_size, rows)
+            return self.packed[split].rows(self.streams[split], windows)
         starts = self.window_starts(split, index, batch_size, rows)
         windows = self.streams[split][starts[:, None] + np.arange(self.window)].astype(np.int32)
         return windows[:, :-1], windows[:, 1:]
+
+
+def _packed_files(split: str, sizes: list[int], cfg: TextDataConfig) -> PackedDocuments:
+    """The split's files (of `sizes` bytes, one after another in its stream) as documents,
+    packed into windows of `seq_len` positions; training's in a shuffle from the seed."""
+    ends = np.cumsum(sizes, dtype=np.int64)
+    if not (np.asarray(sizes) > 1).any():
+        raise ConfigError(
+            f"data.pack=true: no {split} file under data.root={str(corpus_root(cfg))!r} has "
+            "the two bytes a document needs to predict one"
+        )
+    return PackedDocuments(ends - sizes, ends, cfg.seq_len, cfg.seed, split == "train")

@@ -10,6 +10,13 @@ fresh shuffle each epoch (`EpochOrder`, from `data.seed`), held-out windows in f
 
 The vocabulary is `data.vocab_size` where given, and unknown (None) otherwise: the largest
 token id is not looked for, as that would read the whole file.
+
+With `data.pack` the file holds documents, each ended by the token `data.document_end`
+(kept as the document's last token: the model learns to end one); tokens after the last
+such token are one more document. Opening then reads the whole file once, for the document
+ends (a bucket's object streamed once), and packs the documents, in pieces of at most
+`seq_len` positions, several to a row (training/data/packing.py): no row predicts a token
+from another document's. The rows are visited in a fresh shuffle each epoch, as unpacked.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from training.data import (
     in_file_order,
     sampled_fingerprint,
 )
-from training.data.storage import BucketArray, open_flat, stored_bytes
+from training.data.packing import OPEN_WINDOWS, PackedDocuments
+from training.data.storage import BucketArray, occurrences, open_flat, stored_bytes
 from training.data.storage import windows as read_windows
 
 
@@ -38,6 +46,7 @@ class _Split:
     count: int  # tokens in the split
     windows: int
     order: EpochOrder
+    packed: PackedDocuments | None = None  # with data.pack: the rows are its windows
 
 
 class TokenData(ShuffledSplits):
@@ -59,7 +68,14 @@ class TokenData(ShuffledSplits):
                 "held_out": (train, len(train) - held_count, held_count),
             }
         self.splits = {}
+        document_ends: dict[int, np.ndarray] = {}  # by file (id of its array), read once
         for split, (tokens, start, count) in parts.items():
+            if cfg.pack:
+                if id(tokens) not in document_ends:
+                    document_ends[id(tokens)] = occurrences(tokens, cfg.document_end)
+                packed = self._packed(split, start, count, document_ends[id(tokens)], sources)
+                self.splits[split] = _Split(tokens, start, count, len(packed), packed.order, packed)
+                continue
             windows = (count - 1) // self.seq_len if count >= self.window else 0
             if windows < 1:
                 path, what = sources[split]
@@ -75,8 +91,13 @@ class TokenData(ShuffledSplits):
             order = EpochOrder(windows, cfg.seed, shuffle=split == "train")
             self.splits[split] = _Split(tokens, start, count, windows, order)
         sequence = ArraySpec((cfg.seq_len,), "int32")
+        packed = self.splits["train"].packed
         self.spec = DataSpec(
-            inputs=sequence,
+            inputs=(
+                {"token_ids": sequence, "padding_mask": sequence, "segment_ids": sequence}
+                if packed
+                else sequence
+            ),
             labels=sequence,
             examples=self.splits["train"].windows,
             held_out_examples=self.splits["held_out"].windows,
@@ -84,7 +105,26 @@ class TokenData(ShuffledSplits):
             num_classes=cfg.vocab_size or None,
             baseline_loss=None,
             positions_per_example=cfg.seq_len,
+            sample_weight=ArraySpec((cfg.seq_len,), "float32") if packed else None,
+            examples_per_row=packed.pieces_per_window if packed else 1.0,
+            tokens_per_row=packed.positions_per_window if packed else None,
         )
+
+    def _packed(self, split: str, start: int, count: int, ends: np.ndarray, sources):
+        """The split's documents, ended at `ends` (offsets of the document_end tokens in its
+        file), packed into windows."""
+        ends = ends[(ends >= start) & (ends < start + count)] + 1
+        bounds = np.concatenate([[start], ends, [start + count]])
+        packed = PackedDocuments(
+            bounds[:-1], bounds[1:], self.seq_len, self.cfg.seed, split == "train"
+        )
+        if not len(packed):
+            path, what = sources[split]
+            raise ConfigError(
+                f"data.pack=true: the {split} tokens of {what}={path!r} hold no document of "
+                f"two tokens or more (data.document_end={self.cfg.document_end} ends each)"
+            )
+        return packed
 
     def _fingerprint(self) -> str:
         """Sizes, the split, and sampled blocks of each file: O(1) reads."""
@@ -92,6 +132,8 @@ class TokenData(ShuffledSplits):
             ("tokens", self.cfg.dtype, self.seq_len, split, part.start, part.count)
             for split, part in self.splits.items()
         ]
+        if self.cfg.pack:
+            parts.append(("packed", OPEN_WINDOWS, self.cfg.document_end))
         arrays = [self.splits["train"].tokens]
         if self.splits["held_out"].tokens is not arrays[0]:
             arrays.append(self.splits["held_out"].tokens)
@@ -105,13 +147,21 @@ class TokenData(ShuffledSplits):
 
     def batch(self, split: str, index: int, batch_size: int, rows: slice):
         part = self._part(split)
+        if part.packed:
+            x, y, weights = part.packed.rows(part.tokens, self.rows(split, index, batch_size, rows))
+            for ids in (x["token_ids"], y):
+                self._check(ids, split)
+            return x, y, weights
         starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
         windows = restore(read_windows(part.tokens, starts, self.window))
+        self._check(windows, split)
+        windows = windows.astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+    def _check(self, ids: np.ndarray, split: str) -> None:
         check_token_ids(
-            windows,
+            ids,
             self.cfg.vocab_size,
             f"a {split} batch",
             f"data.path={self.cfg.path!r}, data.dtype={self.cfg.dtype}",
         )
-        windows = windows.astype(np.int32)
-        return windows[:, :-1], windows[:, 1:]

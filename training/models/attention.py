@@ -118,16 +118,23 @@ def _cudnn_or_why_not(dtype: str, head_dim: int, soft_cap: bool) -> Choice:
     return Choice("cudnn")
 
 
-def causal_attention(query, key, value, implementation: str = "auto"):
-    """softmax(q kᵀ / √head_dim, causal) v over (batch, seq, heads, head_dim) arrays."""
+def causal_attention(query, key, value, implementation: str = "auto", segments=None):
+    """softmax(q kᵀ / √head_dim, causal) v over (batch, seq, heads, head_dim) arrays;
+    `segments` (batch, seq) integers or None: a query sees only keys of its own segment
+    (packed documents, padding)."""
     _, seq, _, head_dim = query.shape
     on = platform()
     choice = choose(implementation, on, str(query.dtype), seq, head_dim)
+    if choice.kernel == "cudnn" and segments is not None:
+        why = "cuDNN's kernel takes padding as lengths, not packed documents' segment ids"
+        if implementation == "fused":
+            raise ValueError(f"attention=fused: {why}")
+        choice = Choice("einsum", why)
     if choice.kernel == "einsum":
         if implementation == "auto" and on != "cpu":
             warnings.warn(f"attention runs the einsum path: {choice.reason}", stacklevel=2)
-        return einsum_attention(query, key, value)
-    return fused_attention(choice, query, key, value, Logits(head_dim**-0.5))
+        return einsum_attention(query, key, value, segments)
+    return fused_attention(choice, query, key, value, Logits(head_dim**-0.5), segments)
 
 
 def fused_attention(choice: Choice, query, key, value, logits: Logits, segments=None):
@@ -143,12 +150,16 @@ def fused_attention(choice: Choice, query, key, value, logits: Logits, segments=
     return on_each_device(kernel, query, key, value, segments)
 
 
-def einsum_attention(query, key, value):
+def einsum_attention(query, key, value, segments=None):
     """The scores materialised, (batch, heads, seq, seq), in the inputs' dtype."""
     scores = ops.einsum("btnh,bsnh->bnts", query, key) * query.shape[-1] ** -0.5
     length = query.shape[1]
-    causal = ops.tril(ops.ones((length, length), dtype="bool"))
-    scores = ops.where(causal, scores, ops.cast(-1e9, scores.dtype))
+    seen = ops.tril(ops.ones((length, length), dtype="bool"))
+    if segments is not None:
+        seen = ops.logical_and(
+            seen, ops.equal(segments[:, None, :, None], segments[:, None, None, :])
+        )
+    scores = ops.where(seen, scores, ops.cast(-1e9, scores.dtype))
     weights = ops.softmax(scores, axis=-1)
     return ops.einsum("bnts,bsnh->btnh", weights, value)
 

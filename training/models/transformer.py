@@ -4,6 +4,12 @@ Pre-norm blocks of causal multi-head self-attention and a GELU MLP, learned posi
 output head that is its own (vocabulary, d_model) table or the token embedding reused
 (`tie_embeddings`); either way it maps hidden states to logits as the embedding reversed.
 
+Built `packed`, it takes packed rows (data.pack, training/data/packing.py): `token_ids`,
+`padding_mask` and `segment_ids` (document k of a row is k, padding 0). No position attends
+to another segment's, on every attention path (training/models/attention.py), and positions
+restart at each segment's first: a document has the logits it has alone at a row's start.
+The padding mask is taken with the rest of a packed row and not read: padding is segment 0.
+
 Splitting: the fused query/key/value kernel by heads and the MLP's up kernel by columns, so each
 device computes whole heads and its slice of the hidden activation; the attention output and MLP
 down kernels by rows, so each block needs one all-reduce after attention and one after the MLP
@@ -84,8 +90,24 @@ class PositionEmbedding(keras.layers.Layer):
             shape=(self.length, input_shape[-1]), initializer=init(), name="embeddings"
         )
 
-    def call(self, inputs):
-        return inputs + ops.cast(self.embeddings, inputs.dtype)
+    def call(self, inputs, segments=None):
+        """`segments` (batch, seq), where given: positions restart at each segment."""
+        table = ops.cast(self.embeddings, inputs.dtype)
+        if segments is None:
+            return inputs + table
+        return inputs + ops.take(table, positions_in_segments(segments), axis=0)
+
+
+def positions_in_segments(segments):
+    """Each position's distance from its segment's first position, (batch, seq): a segment
+    starts at a row's start and wherever the id changes."""
+    index = ops.arange(segments.shape[1], dtype="int32")[None, :]
+    starts = ops.concatenate(
+        [ops.ones_like(segments[:, :1], "bool"), ops.not_equal(segments[:, 1:], segments[:, :-1])],
+        axis=1,
+    )
+    first = ops.associative_scan(ops.maximum, ops.where(starts, index, 0), axis=1)
+    return index - first
 
 
 @keras.saving.register_keras_serializable(package="training")
@@ -128,14 +150,17 @@ class CausalSelfAttention(keras.layers.Layer):
         )
         self.attention_output.build((*input_shape[:-1], self.heads, self.head_dim))
 
-    def call(self, x):
+    def call(self, x, segments=None):
+        """`segments` (batch, seq), where given: no query sees another segment's keys."""
         query, key, value = ops.unstack(self.qkv(x), 3, axis=2)
-        return self.attention_output(causal_attention(query, key, value, self.attention))
+        attended = causal_attention(query, key, value, self.attention, segments)
+        return self.attention_output(attended)
 
 
-def _block(h, d_model: int, heads: int, d_ff: int, i: int, attention: str):
+def _block(h, segments, d_model: int, heads: int, d_ff: int, i: int, attention: str):
     a = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_attention_norm")(h)
-    a = CausalSelfAttention(heads, d_model // heads, attention, name=f"block_{i}_attention")(a)
+    attend = CausalSelfAttention(heads, d_model // heads, attention, name=f"block_{i}_attention")
+    a = attend(a, segments)
     h = h + a
     m = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_mlp_norm")(h)
     m = keras.layers.Dense(
@@ -161,8 +186,10 @@ def build(
     tie_embeddings: bool = False,
     attention: str = "auto",
     head_dim: int = HEAD_DIM,
+    packed: bool = False,
 ) -> keras.Model:
-    """`heads` of d_model / heads values each, where given; else heads of `head_dim`."""
+    """`heads` of d_model / heads values each, where given; else heads of `head_dim`;
+    `packed`: fed packed rows (the module's docstring)."""
     if heads is None:
         if d_model % head_dim:
             raise ValueError(
@@ -172,13 +199,21 @@ def build(
         heads = d_model // head_dim
     if d_model % heads:
         raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
-    tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
+    if packed:
+        inputs = {
+            name: keras.Input(shape=(seq_len,), dtype="int32", name=name)
+            for name in ("token_ids", "padding_mask", "segment_ids")
+        }
+        tokens, segments = inputs["token_ids"], inputs["segment_ids"]
+    else:
+        inputs = tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
+        segments = None
     embedding = TokenEmbedding(
         vocab_size, d_model, embeddings_initializer=init(), name="token_embedding"
     )
-    h = PositionEmbedding(seq_len, name="position_embedding")(embedding(tokens))
+    h = PositionEmbedding(seq_len, name="position_embedding")(embedding(tokens), segments)
     for i in range(layers):
-        h = _block(h, d_model, heads, d_ff, i, attention)
+        h = _block(h, segments, d_model, heads, d_ff, i, attention)
     h = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(h)
     head = embedding
     if not tie_embeddings:
@@ -187,4 +222,4 @@ def build(
     logits = keras.layers.Activation("linear", dtype="float32", name="logits")(
         head(h, reverse=True)
     )
-    return keras.Model(tokens, logits, name="transformer")
+    return keras.Model(inputs, logits, name="transformer")
