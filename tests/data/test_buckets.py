@@ -99,6 +99,20 @@ def test_adjacent_windows_are_one_request_and_distant_ones_their_own(tmp_path, s
     assert len(requested.pop()) == apart > 1
 
 
+def test_packed_token_documents_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
+    """data.pack: the document ends are streamed once (in blocks smaller than the file
+    here), then each row's pieces read by ranges: the same packed rows as the file on disk."""
+    local = token_file(tmp_path)
+    url = upload(local, f"{s3}/packed/train.bin")
+    monkeypatch.setattr(storage, "STREAM_BYTES", 1000)
+    config = dict(seq_len=32, seed=3, pack=True, document_end=7)  # a document every ~256
+    on_disk = build_dataset(TokenDataConfig(path=str(local), **config))
+    remote = build_dataset(TokenDataConfig(path=url, **config))
+    assert remote.spec == on_disk.spec and on_disk.spec.examples_per_row > 1
+    same_batches(on_disk, remote, "train", 2, slice(0, 16))
+    same_batches(on_disk, remote, "held_out", 1, slice(0, 16))
+
+
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):
     """The line index is streamed once (in blocks smaller than the file here), then each
     host reads its own lines by ranges: the same batches, tokenized, as the file on disk."""
