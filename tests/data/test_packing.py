@@ -111,7 +111,7 @@ def test_a_resumed_run_reads_the_windows_an_uninterrupted_one_would(files):
 
 
 def test_packing_needs_a_model_that_takes_segment_ids(files):
-    with pytest.raises(ConfigError, match="data.pack=true needs a model that keeps packed examples apart"):
+    with pytest.raises(ConfigError, match="data.pack=true needs a model that keeps packed"):
         run_config(
             [
                 "model=keras",
