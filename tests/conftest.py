@@ -108,11 +108,19 @@ def ray_cluster():
 # One server of each for the session: fsspec caches its clients, each with the endpoint it
 # found first.
 @pytest.fixture(scope="session")
-def s3(tmp_path_factory):
+def s3_log(tmp_path_factory):
+    """The request log of the `s3` fixture's server."""
+    from tests.object_storage import MOTO_LOG
+
+    return tmp_path_factory.mktemp("s3") / MOTO_LOG
+
+
+@pytest.fixture(scope="session")
+def s3(s3_log):
     """s3://training-data on moto's server (tests/object_storage.py)."""
     from tests.object_storage import s3_bucket
 
-    with s3_bucket(tmp_path_factory.mktemp("s3")) as bucket:
+    with s3_bucket(s3_log.parent) as bucket:
         yield bucket
 
 

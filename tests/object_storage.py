@@ -15,6 +15,7 @@ from pathlib import Path
 
 BUCKET = "training-data"
 READY_S = 60.0
+MOTO_LOG = "moto.log"  # moto's server's output, with a line for each request
 
 
 def use_emulator_credentials() -> None:
@@ -74,11 +75,24 @@ def s3_bucket(log_dir: Path):
     """s3://BUCKET on moto's server."""
     use_emulator_credentials()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"]
-    with storage_server(command, ("AWS_ENDPOINT_URL",), log_dir / "moto.log"):
+    with storage_server(command, ("AWS_ENDPOINT_URL",), log_dir / MOTO_LOG):
         import fsspec
 
         fsspec.filesystem("s3").mkdir(f"s3://{BUCKET}")
         yield f"s3://{BUCKET}"
+
+
+def ranged_reads(log: Path, url: str, at_least: int = 0) -> int:
+    """Ranged GETs of the s3:// object at `url` in moto's request log (werkzeug's line for
+    each request, written once the response is out), waiting up to READY_S for `at_least`."""
+    request = f"GET /{url.removeprefix('s3://')} HTTP"
+    deadline = time.monotonic() + READY_S
+    while True:
+        lines = log.read_text().splitlines()
+        count = sum(request in line and '" 206 ' in line for line in lines)
+        if count >= at_least or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)
 
 
 @contextmanager

@@ -2,15 +2,17 @@
 (fake-gcs-server) by byte ranges give the batches, fingerprint and training of the same
 files on disk; what is missing or unsupported is one error before any host starts."""
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import FAST, run_config
-from tests.object_storage import upload, without_gcsfs
+from tests.object_storage import ranged_reads, upload, without_gcsfs
 from training.config import ConfigError, JsonlDataConfig, TokenDataConfig
-from training.data import build_dataset, storage
+from training.data import build_dataset, read_ahead, storage
 from training.driver.checked import check_sizes
 
 TOKENS = 20_000
@@ -111,6 +113,42 @@ def test_packed_token_documents_from_a_bucket_are_the_files_own(tmp_path, s3, mo
     assert remote.spec == on_disk.spec and on_disk.spec.examples_per_row > 1
     same_batches(on_disk, remote, "train", 2, slice(0, 16))
     same_batches(on_disk, remote, "held_out", 1, slice(0, 16))
+
+
+def test_training_batches_are_read_ahead_many_to_a_request_off_the_callers_thread(
+    tmp_path, s3, s3_log, monkeypatch
+):
+    """Each host's training batches, asked for in order as its feed asks, are read
+    READ_AHEAD_BATCHES to a request (counted in moto's own log) from the read-ahead's thread,
+    after the first two, each read as it is asked for; the batches are the file's on disk,
+    also when asked for again from an earlier one (a restart)."""
+    local = token_file(tmp_path)
+    url = upload(local, f"{s3}/ahead/train.bin")
+    on_disk = build_dataset(TokenDataConfig(path=str(local), seq_len=32, seed=3))
+    depth = read_ahead.READ_AHEAD_BATCHES
+    fs = storage.bucket_filesystem("s3")
+    sent_from, cat_ranges = [], fs.cat_ranges  # whether each read came from the read-ahead
+
+    def recorded(*args, **kwargs):
+        sent_from.append(threading.current_thread().name.startswith("bucket-read-ahead"))
+        return cat_ranges(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_ranges", recorded)
+    for rows in (slice(0, 8), slice(8, 16)):  # two hosts' rows
+        remote = build_dataset(TokenDataConfig(path=url, seq_len=32, seed=3))
+        sent_from.clear()
+        before = ranged_reads(s3_log, url)  # the fingerprint's blocks read at start-up
+        same_batches(on_disk, remote, "train", 2 + 2 * depth, rows)
+        # Batches 0 and 1 as asked; 2.. and 2 + depth.. ahead; and the depth after them, sent.
+        assert ranged_reads(s3_log, url, at_least=before + 5) - before == 5
+        assert sent_from == [False, False, True, True, True]
+        for index in range(5, 9):
+            for a, b in zip(
+                on_disk.batch("train", index, 16, rows),
+                remote.batch("train", index, 16, rows),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_json_lines_from_a_bucket_are_the_files_own(tmp_path, s3, monkeypatch):

@@ -36,9 +36,14 @@ ENDPOINT_VARIABLES = (
 READS_BUCKETS = ("tokens", "jsonl", "parquet")
 # Bytes read per request while a whole object is scanned (jsonl's line index).
 STREAM_BYTES = 16 * 2**20
-# Windows this close are read in one request (a held-out batch's, adjacent in file order):
-# a request costs a round trip, and more CPU on both ends than reading these bytes.
-MERGED_GAP_BYTES = 64 * 2**10
+# Windows this close are read in one request (a held-out batch's, adjacent in file order;
+# training windows read ahead together, read_ahead.py): a request costs a round trip and CPU
+# on both ends (about 7 ms of CPU against moto's server here, as much as 8 MB more of one
+# range; a first byte from S3 comes after tens of ms, in which about 1 MiB would arrive).
+MERGED_GAP_BYTES = 2**20
+# What one read may add between its windows in all (the gap shrinks as windows are more):
+# with its windows' own bytes, the most one read holds in memory.
+READ_BYTES = 32 * 2**20
 
 
 class BucketArray:
@@ -82,10 +87,13 @@ class BucketArray:
 
         first = [int(s) * self.itemsize for s in starts]
         last = [f + int(n) * self.itemsize for f, n in zip(first, lengths, strict=True)]
+        gap = min(MERGED_GAP_BYTES, READ_BYTES // len(first))
         _, block_starts, block_ends = merge_offset_ranges(
-            [self.path] * len(first), first, last, max_gap=MERGED_GAP_BYTES
+            [self.path] * len(first), first, last, max_gap=gap
         )
-        blocks = self.fs.cat_ranges([self.path] * len(block_starts), block_starts, block_ends)
+        blocks = self.fs.cat_ranges(
+            [self.path] * len(block_starts), block_starts, block_ends, on_error="raise"
+        )
         # Merged without a size limit, the blocks are disjoint: a span is in the block
         # starting last at or before it.
         holding = np.searchsorted(block_starts, first, side="right") - 1

@@ -1,6 +1,7 @@
 """Token ids in a flat binary file (what nanoGPT-style prepare scripts write as train.bin).
 
-The file is memory-mapped, or read by byte ranges from a bucket (`training/data/storage.py`);
+The file is memory-mapped, or read by byte ranges from a bucket (`training/data/storage.py`),
+a host's training batches there read ahead several at a time (`training/data/read_ahead.py`);
 a batch reads only its own windows. Windows of `seq_len + 1` tokens
 start every `seq_len` tokens, so every token but a split's first is predicted exactly once per
 epoch: x is a window's first `seq_len` tokens, y its last `seq_len`, both int32. Held-out
@@ -22,6 +23,7 @@ from another document's. The rows are visited in a fresh shuffle each epoch, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -35,6 +37,7 @@ from training.data import (
     sampled_fingerprint,
 )
 from training.data.packing import OPEN_WINDOWS, PackedDocuments
+from training.data.read_ahead import ReadAhead
 from training.data.storage import BucketArray, occurrences, open_flat, stored_bytes
 from training.data.storage import windows as read_windows
 
@@ -69,6 +72,8 @@ class TokenData(ShuffledSplits):
             }
         self.splits = {}
         document_ends: dict[int, np.ndarray] = {}  # by file (id of its array), read once
+        # The training batches' read-ahead from a bucket, by the batches' size and rows.
+        self._read_ahead: tuple[tuple, ReadAhead] | None = None
         for split, (tokens, start, count) in parts.items():
             if cfg.pack:
                 if id(tokens) not in document_ends:
@@ -152,8 +157,11 @@ class TokenData(ShuffledSplits):
             for ids in (x["token_ids"], y):
                 self._check(ids, split)
             return x, y, weights
-        starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
-        windows = restore(read_windows(part.tokens, starts, self.window))
+        if split == "train" and isinstance(part.tokens, BucketArray):
+            windows = self._reading_ahead(batch_size, rows)(index)
+        else:
+            starts, restore = in_file_order(self.starts(split, index, batch_size, rows))
+            windows = restore(read_windows(part.tokens, starts, self.window))
         self._check(windows, split)
         windows = windows.astype(np.int32)
         return windows[:, :-1], windows[:, 1:]
@@ -165,3 +173,19 @@ class TokenData(ShuffledSplits):
             f"a {split} batch",
             f"data.path={self.cfg.path!r}, data.dtype={self.cfg.dtype}",
         )
+
+    def _reading_ahead(self, batch_size: int, rows: slice) -> ReadAhead:
+        """The read-ahead of training batches of this size and these rows (a host's
+        micro-batches); batches of another size or other rows start another."""
+        key = (batch_size, rows.start, rows.stop)
+        if self._read_ahead is None or self._read_ahead[0] != key:
+            locate = partial(self.starts, "train", batch_size=batch_size, rows=rows)
+            read = partial(_windows_of_batches, self._part("train").tokens, self.window)
+            self._read_ahead = (key, ReadAhead(locate, read))
+        return self._read_ahead[1]
+
+
+def _windows_of_batches(tokens: BucketArray, length: int, starts: list[np.ndarray]):
+    """Each batch's windows (of `length` tokens from each of its `starts`), all read at once."""
+    windows = tokens.windows(np.concatenate(starts), length)
+    return np.split(windows, np.cumsum([len(s) for s in starts])[:-1])
