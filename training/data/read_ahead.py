@@ -1,8 +1,8 @@
 """A split's batches read ahead from a bucket, off the steps' path: once batches are asked
 for in order, the next READ_AHEAD_BATCHES are read together (one coalesced read of their
 byte ranges, `storage.BucketArray.windows`) in a background thread while the steps before
-them run, so a step waits on no request and a host sends one read where it sent one per
-batch.
+them run: once the reading is ahead, a step waits on no request, and a host sends one read
+for many batches where it sent one for each.
 
 What a batch holds never depends on it: which rows a batch reads is worked out by the
 caller, in its own thread, before the read is sent; the read only fetches their bytes."""
