@@ -67,7 +67,7 @@ def whole_gradients_note(platform: str, mesh: MeshShape, rules: LayoutRules, tra
         return ""
     known = {
         "cpu": "as XLA:CPU's step does",
-        "tpu": "as libtpu's step does with the model axis's explicit gathers",
+        "tpu": "as the explicit gathers of a step with a model axis make them",
     }
     return (
         "the estimate counts every gradient of a weight split over `data` whole, and the "
