@@ -48,6 +48,7 @@ from training.planning.costs import (  # noqa: E402
     split_ways,
     strategy_cost,
 )
+from training.planning.gradient_liveness import whole_gradients_note  # noqa: E402
 from training.planning.target import (  # noqa: E402
     compile_target,
     compile_where_the_run_would,
@@ -67,6 +68,7 @@ class LaunchPlan:
     layout: AutoLayout | None = None  # strategy.layout=auto's rules for the configured mesh
     compiled: Compiled | None = None  # the configured step as XLA compiles it
     refused: OutOfDeviceMemory | None = None  # or the compiler's refusal: it does not fit
+    gradients_note: str = ""  # where the run's compiler keeps whole gradients the estimate counts
 
 
 def check_cluster_size_given(cfg: RunConfig) -> None:
@@ -130,6 +132,9 @@ def make_plan(
         checked.layout,
         compiled,
         refused,
+        whole_gradients_note(
+            cfg.cluster.platform, configured.mesh, configured.rules, model.trainable
+        ),
     )
 
 
@@ -257,11 +262,14 @@ def print_plan(plan: LaunchPlan, cfg: RunConfig, console: Console) -> None:
         "plan.device_memory_gb (the configured one's by its compiled step, where compiled). "
         "mesh: data×model; optim: the optimizer's "
         "state; grads: the gradients the step makes (and, over a data axis, their reduction's "
-        "output); activ: the activations the backward pass keeps for a data shard's batch, and "
-        "its workspace; sent: bytes each device sends in the step's collectives (ops) over ring "
-        "links; net: the mesh axes whose collectives cross hosts; step: the predicted time of a "
-        "step"
+        "output; where libtpu reduce-scatters each as it is made, each split as its weight and "
+        "the largest layer's gathered weights and whole gradients); activ: the activations the "
+        "backward pass keeps for a data shard's batch, and its workspace; sent: bytes each "
+        "device sends in the step's collectives (ops) over ring links; net: the mesh axes "
+        "whose collectives cross hosts; step: the predicted time of a step"
     )
+    if plan.gradients_note:
+        console.print(plan.gradients_note)
     hardware, configured = cfg.plan, plan.configured
     console.print(
         f"predicted speedup of {configured.strategy.name} ({hardware.intra_host_gb_per_s:g} GB/s "

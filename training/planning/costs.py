@@ -23,8 +23,9 @@ from training.parallel.dtypes import array_bytes, dtype_bytes, readable_bytes
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Strategy
 from training.planning.abstract import ModelKey, abstract_keras_model
-from training.planning.activations import activation_bytes
+from training.planning.activations import Activations, activation_bytes
 from training.planning.collectives import Collective, gathered_weight, sent_bytes
+from training.planning.gradient_liveness import ShardedGradients, reduce_scattered_as_made
 from training.planning.layer_graph import untraceable
 from training.planning.layout import resolve_layout
 from training.planning.tensor_parallel import model_axis_collectives
@@ -228,7 +229,11 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
     activations = activation_bytes(model.keras_model, rules, mesh.model, rows, value_bytes)
     gradients = gradient_sizes(model, rules, mesh)
     all_made = made_gradient_bytes(gradients, mesh)
-    if activations.rematerialised:
+    if reduce_scattered_as_made(cfg.cluster.platform, mesh, rules, model.trainable):
+        live_activations, live_gradients = _sharded_peak(
+            activations, ShardedGradients(gradient_shards(model, rules, mesh), gradients)
+        )
+    elif activations.rematerialised:
         live_activations, live_gradients = max(
             activations.backward_peak(gradients), (0.0, all_made), key=sum
         )
@@ -246,6 +251,17 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
         gradient_bytes=round(live_gradients),
         activation_bytes=round(live_activations),
     )
+
+
+def _sharded_peak(activations: Activations, gradients: ShardedGradients) -> tuple[float, float]:
+    """(activations, gradients) at the peak where each gradient is reduce-scattered as it is
+    made: the split gradients made so far and the window of the layer being differentiated."""
+    if not activations.rematerialised:
+        return activations.peak, gradients.all_made
+    live_activations, kept = max(
+        activations.backward_peak(gradients.kept), (0.0, sum(gradients.kept.values())), key=sum
+    )
+    return live_activations, kept + gradients.window
 
 
 def strategy_cost(
@@ -282,9 +298,13 @@ def gradient_sizes(model: AbstractModel, rules: LayoutRules, mesh: MeshShape) ->
     """Per device, by weight path, the gradient a step makes of each trainable weight: as
     the step uses the weight (split over `model`, whole over `data`: fsdp's are
     reduce-scattered after)."""
-    model_only = MeshShape(1, mesh.model)
+    return gradient_shards(model, rules, MeshShape(1, mesh.model))
+
+
+def gradient_shards(model: AbstractModel, rules: LayoutRules, mesh: MeshShape) -> dict[str, int]:
+    """Per device, by weight path, each trainable weight's gradient split as the weight."""
     return {
-        v.path: array_bytes(v.shape, v.dtype) // split_ways(v.path, rules, model_only)
+        v.path: array_bytes(v.shape, v.dtype) // split_ways(v.path, rules, mesh)
         for v in model.variables
         if v.path in model.trainable
     }

@@ -1,0 +1,76 @@
+"""How many of a step's gradients are alive at once, by the compiler of the run's devices.
+
+- libtpu, where the layout splits weights over `data` and there is no model axis (fsdp;
+  `training/build.py` then leaves the gathers to it): each weight's gradient is
+  reduce-scattered as the backward pass makes it, so what stays is each gradient split as
+  its weight, beside the layer being differentiated: its gathered weights and their whole
+  gradients, counted for the largest layer (its weights' paths but the last part). Read from
+  libtpu's compiled steps for v5e slices of 4 to 256 chips
+  (`tests/planning/test_compile_target.py`, README "Plan before launching").
+- XLA:CPU (and XLA:GPU, not measured here) makes every gradient of a weight split over
+  `data` whole and all-reduces them together before slicing, and the gathered weights
+  (`training.parallel.fsdp.gather_for_use`) keep them so on every backend with a model
+  axis: `training.planning.costs.made_gradient_bytes`, which the plan says it counts
+  (`whole_gradients_note`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.contracts import LayoutRules
+from training.models import axis_names, rule_axes
+from training.parallel.mesh import MeshShape
+
+
+def splits_over_data(rules: LayoutRules, trainable) -> bool:
+    """Whether the layout splits any trainable weight over `data` (fsdp, keras-hub's rules)."""
+    return any("data" in axis_names(rule_axes(path, rules)) for path in trainable)
+
+
+def reduce_scattered_as_made(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
+    """Whether the run's compiled step reduce-scatters each gradient of a weight split over
+    `data` as it is made: on TPU without a model axis, where the hosts' step leaves the
+    gathers to libtpu (`training/build.py`)."""
+    return platform == "tpu" and mesh.model == 1 and splits_over_data(rules, trainable)
+
+
+@dataclass(frozen=True)
+class ShardedGradients:
+    """Per device, by weight path: each gradient split as its weight (`kept`), and as the
+    step makes it, whole over `data` (`made`)."""
+
+    kept: dict[str, int]
+    made: dict[str, int]
+
+    @property
+    def window(self) -> int:
+        """The largest layer's gathered weights and whole gradients, alive at once."""
+        layers: dict[str, int] = {}
+        for path, size in self.made.items():
+            layer = path.rsplit("/", 1)[0]
+            layers[layer] = layers.get(layer, 0) + size
+        return 2 * max(layers.values(), default=0)
+
+    @property
+    def all_made(self) -> int:
+        """Every split gradient, beside a layer's window."""
+        return sum(self.kept.values()) + self.window
+
+
+def whole_gradients_note(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> str:
+    """What the estimate counts of the gradients of weights split over `data`, where the
+    run's compiler keeps them whole ("" where no weight is, or it does not)."""
+    if not splits_over_data(rules, trainable) or reduce_scattered_as_made(
+        platform, mesh, rules, trainable
+    ):
+        return ""
+    known = {
+        "cpu": "as XLA:CPU's step does",
+        "tpu": "as the explicit gathers of a step with a model axis make them",
+    }
+    return (
+        "the estimate counts every gradient of a weight split over `data` whole, and the "
+        f"reduction's copy ({known.get(platform, f'not measured on {platform}')}); libtpu "
+        "without a model axis reduce-scatters each as it is made"
+    )
