@@ -296,9 +296,9 @@ def gathered_failure(
     take long to notice, and a restart waits for this. `silent_s`: how long the first failed
     host had said nothing."""
     noticed = time.monotonic()
-    died = isinstance(failed.error, RayActorError)
-    grace = SAME_MOMENT_SECONDS if died else PEER_ERROR_GRACE_SECONDS
-    ray.wait(pending, num_returns=len(pending), timeout=grace)
+    if not isinstance(failed.error, RayActorError):
+        _wait_for_a_death(pending, PEER_ERROR_GRACE_SECONDS)
+    ray.wait(pending, num_returns=len(pending), timeout=SAME_MOMENT_SECONDS)
     failures = [(calls[ref], error) for ref in pending if (error := outcome(ref)[1])]
     failures = failures or [(failed.host, failed.error)]
     failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
@@ -308,6 +308,17 @@ def gathered_failure(
         silent_s=silent_s,
         noticed=noticed,
     )
+
+
+def _wait_for_a_death(pending: list, timeout_s: float) -> None:
+    """Until one of `pending` ends in its host's death, or `timeout_s`: the other hosts may
+    stay in a collective until they are stopped, and a restart waits for this."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pending)
+    while left and (remaining := deadline - time.monotonic()) > 0:
+        ended, left = ray.wait(left, num_returns=1, timeout=remaining)
+        if any(isinstance(outcome(ref)[1], RayActorError) for ref in ended):
+            return
 
 
 def _describe_failure(host: int, error: Exception, output_dir: Path) -> str:
