@@ -13,7 +13,7 @@ from training.config import RunConfig
 from training.contracts import DataSpec
 from training.data import build_dataset
 from training.models.remat import rematerialised
-from training.parallel.fsdp import gather_for_use
+from training.parallel.fsdp import gather_for_use, gathers_left_to_the_compiler
 from training.parallel.mesh import build_distribution
 from training.parallel.strategy import Strategy
 from training.recipe import compile_model
@@ -33,7 +33,7 @@ def build_on_grid(cfg: RunConfig, grid: np.ndarray):
     keras.distribution.set_distribution(build_distribution(strategy, grid, rules))
     dataset = build_dataset(cfg.data)
     model = build_compiled(cfg, dataset.spec)
-    if grid.shape[1] > 1 or grid.flat[0].platform != "tpu":
+    if not gathers_left_to_the_compiler(grid.flat[0].platform, grid.shape[1]):
         # On TPU without a model axis libtpu reduce-scatters each gradient as it is made,
         # where weights gathered for the backward pass keep every whole gradient alive; with
         # one, XLA may re-split activations over `data` instead; XLA:CPU keeps whole

@@ -116,6 +116,12 @@ def yield_indivisible_data(
     ]
 
 
+def gathers_left_to_the_compiler(platform: str, model_axis: int) -> bool:
+    """Whether the step leaves fsdp's gathers to the compiler (no `gather_for_use`): on TPU
+    without a model axis, where libtpu then reduce-scatters each gradient as it is made."""
+    return platform == "tpu" and model_axis == 1
+
+
 def gather_for_use(model) -> None:
     """Make the model's step use each weight split over `data` whole over `data` (still
     split over `model` as laid out), its gradient reduced straight to the weight's shards:

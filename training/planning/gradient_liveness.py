@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from training.contracts import LayoutRules
 from training.models import axis_names, rule_axes
+from training.parallel.fsdp import gathers_left_to_the_compiler
 from training.parallel.mesh import MeshShape
 
 
@@ -32,7 +33,7 @@ def reduce_scattered_as_made(platform: str, mesh: MeshShape, rules: LayoutRules,
     """Whether the run's compiled step reduce-scatters each gradient of a weight split over
     `data` as it is made: on TPU without a model axis, where the hosts' step leaves the
     gathers to libtpu (`training/build.py`)."""
-    return platform == "tpu" and mesh.model == 1 and splits_over_data(rules, trainable)
+    return gathers_left_to_the_compiler(platform, mesh.model) and splits_over_data(rules, trainable)
 
 
 @dataclass(frozen=True)
