@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from training.config import RunConfig
 from training.contracts import LayoutRules
-from training.models import axis_names, rule_axes
 from training.parallel.mesh import MeshShape
+from training.planning.gradient_liveness import splits_over_data
 from training.tpus import slice_topology
 
 ACCELERATORS = {"tpu": "tpu", "gpu": "cuda"}  # cluster.platform -> JAX's platform
@@ -133,7 +133,7 @@ def stand_in_wrong(cfg: RunConfig, rules: LayoutRules | None, trainable: list[st
     target = compile_target(cfg)
     if not target.stands_in or not rules:
         return None
-    if not any("data" in axis_names(rule_axes(path, rules)) for path in trainable):
+    if not splits_over_data(rules, trainable):
         return None
     install = " (pip install -e '.[tpu]': libtpu compiles for the slice)" * (
         target.platform == "tpu"
