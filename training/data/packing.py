@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from training.contracts import ArraySpec
 from training.data import EpochOrder
 from training.data.storage import BucketArray, spans
 
@@ -134,6 +135,17 @@ class PackedDocuments:
     @property
     def positions_per_window(self) -> float:
         return self.windows.positions / len(self.windows)
+
+    def spec_fields(self) -> dict:
+        """The DataSpec fields of a split whose rows are these windows: the packed inputs,
+        the loss weights, and what a row holds."""
+        tokens = ArraySpec((self.seq_len,), "int32")
+        return {
+            "inputs": {"token_ids": tokens, "padding_mask": tokens, "segment_ids": tokens},
+            "sample_weight": ArraySpec((self.seq_len,), "float32"),
+            "examples_per_row": self.pieces_per_window,
+            "tokens_per_row": self.positions_per_window,
+        }
 
     def rows(self, stream: np.ndarray | BucketArray, windows: np.ndarray, pad_id: int = 0):
         """`packed_rows` of these windows (ids), their pieces read from `stream`."""

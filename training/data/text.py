@@ -96,10 +96,8 @@ class TextCorpus:
     def _packed_spec(self, cfg: TextDataConfig, contents: dict[str, list[bytes]]) -> DataSpec:
         train, held_out = self.packed["train"], self.packed["held_out"]
         sizes = {split: [len(t) for t in texts] for split, texts in contents.items()}
-        tokens = ArraySpec((cfg.seq_len,), "int32")
         return DataSpec(
-            inputs={"token_ids": tokens, "padding_mask": tokens, "segment_ids": tokens},
-            labels=tokens,
+            labels=ArraySpec((cfg.seq_len,), "int32"),
             examples=len(train),
             held_out_examples=len(held_out),
             fingerprint=hashlib.sha256(
@@ -112,9 +110,7 @@ class TextCorpus:
                 self.streams["train"], self.streams["held_out"], VOCAB
             ),
             positions_per_example=cfg.seq_len,
-            sample_weight=ArraySpec((cfg.seq_len,), "float32"),
-            examples_per_row=train.pieces_per_window,
-            tokens_per_row=train.positions_per_window,
+            **train.spec_fields(),
         )
 
     def window_starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:

@@ -98,11 +98,6 @@ class TokenData(ShuffledSplits):
         sequence = ArraySpec((cfg.seq_len,), "int32")
         packed = self.splits["train"].packed
         self.spec = DataSpec(
-            inputs=(
-                {"token_ids": sequence, "padding_mask": sequence, "segment_ids": sequence}
-                if packed
-                else sequence
-            ),
             labels=sequence,
             examples=self.splits["train"].windows,
             held_out_examples=self.splits["held_out"].windows,
@@ -110,9 +105,7 @@ class TokenData(ShuffledSplits):
             num_classes=cfg.vocab_size or None,
             baseline_loss=None,
             positions_per_example=cfg.seq_len,
-            sample_weight=ArraySpec((cfg.seq_len,), "float32") if packed else None,
-            examples_per_row=packed.pieces_per_window if packed else 1.0,
-            tokens_per_row=packed.positions_per_window if packed else None,
+            **(packed.spec_fields() if packed else {"inputs": sequence}),
         )
 
     def _packed(self, split: str, start: int, count: int, ends: np.ndarray, sources):
