@@ -78,6 +78,14 @@ WORKLOADS = {
         "model.kwargs.d_model=768",  # 6 heads of 128 (the default head size)
         "model.kwargs.d_ff=3072",
     ],
+    "transformer-86M-4096": [
+        "model=transformer",
+        "model.seq_len=4096",
+        "trainer.global_batch=4",
+        "model.kwargs.layers=12",
+        "model.kwargs.d_model=768",
+        "model.kwargs.d_ff=3072",
+    ],
     "transformer-302M": [
         *ACCELERATOR_TRANSFORMER,
         "model.kwargs.layers=24",

@@ -41,7 +41,10 @@ IMPLEMENTATIONS = ("auto", "einsum", "fused")
 # (batch 16, seq 1024, head_dim 64) in bfloat16, 12 heads / 16 heads: 4.35 / 5.72 ms and
 # 0.35 / 0.47 GB of temporaries, against the einsum path's 7.65 / 9.64 ms and 0.81 / 1.07 GB;
 # tiles of 256 took 6.75 / 9.05 ms, of 128 14.4 / 19.3 ms, of 1024 the same as 512.
-SPLASH_BLOCKS = (512, 256, 128)
+# Whole training steps of the built-in transformer (86 M, heads of 128; scripts/bench/
+# accelerator_loops) on the v5e: tiles of 1024 against 512 took MFU from 0.620 to 0.651 at
+# seq 4096 x 4 and from 0.512 to 0.519 at 1024 x 16; tiles of 2048 overflow the kernel's VMEM.
+SPLASH_BLOCKS = (1024, 512, 256, 128)
 # cuDNN's flash attention: its dtypes and the largest head size every GPU it runs on takes.
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128
