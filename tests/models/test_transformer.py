@@ -99,6 +99,21 @@ def test_heads_are_128_wide_unless_their_number_is_given():
         build_under("data_parallel", MeshShape(8, 1), TEXT + ["model.kwargs.d_model=96"])
 
 
+def test_the_mlp_applies_gpt2s_tanh_gelu_and_a_saved_model_keeps_it(tmp_path):
+    """The up projection's output against GELU's tanh form written out here (not Keras'),
+    on pre-activations wide enough that the exact (erf) form differs; and a `.keras` file
+    loaded back computes the same."""
+    model = build_under("data_parallel", MeshShape(8, 1), TINY)
+    up = model.get_layer("block_0_mlp_up")
+    x = np.random.default_rng(0).normal(scale=40.0, size=(8, 16, 32)).astype("float32")
+    pre = x @ np.asarray(up.kernel) + np.asarray(up.bias)
+    tanh_form = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre**3)))
+    np.testing.assert_allclose(np.asarray(up(x)), tanh_form, rtol=1e-5, atol=1e-5)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras").get_layer("block_0_mlp_up")
+    np.testing.assert_allclose(np.asarray(loaded(x)), tanh_form, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_learns_what_the_whole_batch_does():
     whole = train_in_process("hybrid", MeshShape(2, 4), TINY)

