@@ -237,6 +237,34 @@ def test_a_lost_host_is_replaced_and_the_run_ends_as_if_nothing_happened(
     assert_no_actor_left()
 
 
+def test_an_elastic_run_with_room_for_a_replacement_goes_on_with_all_its_hosts(
+    uninterrupted, tmp_path
+):
+    """fault.elastic on 2 hosts, one killed after step 3, with room for another: the run
+    readies its shrunk group while it waits for a replacement, but Ray places the host the
+    shrunk group lacks (room for a replacement), so the shrunk group leaves and the run goes
+    on with 2 hosts and its mesh unchanged, from the newest checkpoint, exactly."""
+    whole, _ = uninterrupted
+    elastic = [
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.interval=1",
+        "fault.max_restarts=1",
+        "fault.elastic=true",
+        "fault.replace_timeout_s=60",
+    ]
+    hit = signal_a_host_after_step(tmp_path, 3)
+    summary = run_training(run_config(CHECKPOINTED + elastic), tmp_path)
+    assert "pid" in hit, f"no host was killed: {hit}"
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    (failure,) = summary["failures"]
+    assert "replacement_awaited" in failure["recovery_phases"]
+    (start,) = summary["mesh_changes"]
+    assert (start["hosts"], start["mesh"], start["accumulate"]) == (2, whole["mesh"], 1)
+    assert summary["hosts"] == 2 and summary["mesh"] == whole["mesh"]
+    np.testing.assert_allclose(summary["loss_history"], whole["loss_history"], rtol=1e-5)
+    assert_no_actor_left()
+
+
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(ray_cluster, tmp_path):
     overrides = [
         f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -442,6 +470,10 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     # (the driver stops a group that resumes from an older one).
     assert shrunk["step"] < grown["step"] < STEPS and grown["why"] == "capacity returned"
     assert (grown["hosts"], grown["mesh"], grown["accumulate"]) == (4, start["mesh"], 1)
+    # The 2 hosts were started and joined while a fifth was waited for, and held before
+    # their first step until the wait ended.
+    phases = failure["recovery_phases"]
+    assert phases["jax_cluster_joined"] <= phases["replacement_awaited"] < phases["first_step"]
     # Every logged step's rows were checked, on 4 hosts, on 2, then on 4; a step logged
     # before the kill, after the newest checkpoint, is trained (and checked) again after the
     # resume.

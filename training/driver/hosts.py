@@ -35,7 +35,9 @@ class HostGroup(Protocol):
         in this process, no cluster to join)."""
 
     def train(self, cfg: RunConfig, mesh: MeshShape, driver_dir: str) -> None:
-        """Start every host's training; it runs until `returned` gives its result."""
+        """Start every host's training; it runs until `returned` gives its result. (A Ray
+        group also trains `held`, its first step waiting for its `begin`: an elastic run's
+        shrunk group, readied while the driver may still not need it; only a Ray run shrinks.)"""
 
     def returned(self, timeout_s: float) -> dict[int, dict]:
         """The results of the hosts that returned since the last call, by host, waiting up

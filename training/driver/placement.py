@@ -182,13 +182,19 @@ class RayHostGroup:
                 silent_s=bound_s,
             ) from None
 
-    def train(self, cfg: RunConfig, mesh: MeshShape, driver_dir: str) -> None:
-        """Every host trains on the joined cluster, sending its events to `events`."""
+    def train(self, cfg: RunConfig, mesh: MeshShape, driver_dir: str, held: bool = False) -> None:
+        """Every host trains on the joined cluster, sending its events to `events`; `held`:
+        each waits for `begin` before its first step."""
         self.inbox = Queue(actor_options={"num_cpus": 0})
         self.calls = {
-            actor.train.remote(cfg, mesh, self.inbox, driver_dir): host
+            actor.train.remote(cfg, mesh, self.inbox, driver_dir, held): host
             for host, actor in enumerate(self.actors)
         }
+
+    def begin(self) -> None:
+        """The hosts of a group trained `held` take their first step."""
+        for actor in self.actors:
+            actor.begin.remote()
 
     def returned(self, timeout_s: float) -> dict[int, dict]:
         """The results of hosts that returned since the last call, waiting up to `timeout_s`

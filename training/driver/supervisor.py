@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +104,9 @@ class Supervisor:
         self.configured = Sized(self.cfg, checked)
         self.returning = None
         self.growing = False
+        # fault.elastic: a shrunk group readied while a replacement was awaited, trained held
+        # before its first step (`_replacement_or_fewer_hosts`).
+        self.held: HostGroup | None = None
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -192,18 +196,63 @@ class Supervisor:
             self._ask_for_returning_hosts()
 
     def _replacement_or_fewer_hosts(self, resume: int) -> HostGroup:
-        """fault.elastic: a group of as many hosts as before where Ray places one within
-        fault.replace_timeout_s; else the run shrunk to fewer hosts (one lost), and their group."""
-        group = self._placed_in_time(self.cfg.cluster)
-        if group is not None:
+        """fault.elastic: a group of as many hosts as before where Ray has room for one within
+        fault.replace_timeout_s; else the run shrunk to fewer hosts (one lost), and their group.
+
+        The wait is not lost: the shrunk group is requested at once and readied meanwhile
+        (started, joined, its model built and restored, its step compiled, then held before
+        its first step), and the hosts it lacks are asked for beside it, since room for them
+        is room for a replacement. Where that room comes, the shrunk group leaves it to the
+        full group."""
+        try:
+            shrunk = shrink(self.cfg, self.checked, self.checked.hosts - 1)
+        except HostFailure:  # it cannot shrink: a replacement, or the run fails
+            group = self._placed_in_time(self.cfg.cluster)
+            if group is None:
+                raise
             return group
+        readied = request_hosts(shrunk.cfg.cluster, self.cfg.fault.startup_timeout_s)
+        try:
+            room = self._room_for_a_replacement(readied, shrunk)
+        except BaseException:
+            readied.shutdown()
+            raise
+        if room:
+            self.held = None
+            readied.shutdown()
+            self._stop_asking_for_returning_hosts()
+            group = self._placed_in_time(self.cfg.cluster)
+            if group is not None:
+                return group
+            readied = self._request_group_of(shrunk)  # the room was taken meanwhile
         self.log.line(
             "elastic: no replacement host placed within fault.replace_timeout_s="
             f"{self.cfg.fault.replace_timeout_s:g}s; going on with fewer hosts"
         )
-        shrunk = shrink(self.cfg, self.checked, self.checked.hosts - 1)
         self._go_on_with(shrunk, resume, "host lost")
-        return self._request_group()
+        return readied
+
+    def _room_for_a_replacement(self, readied: HostGroup, shrunk: Sized) -> bool:
+        """Whether Ray places the hosts `readied` (the shrunk group) lacks within
+        fault.replace_timeout_s, readying that group meanwhile; the request for them stays
+        (`returning`) where it does not."""
+        deadline = time.monotonic() + self.cfg.fault.replace_timeout_s
+        self.returning = request_returning_hosts(self.cfg.cluster, shrunk.checked.hosts)
+        self.held = self._readied_held(readied, shrunk)
+        while not (room := self._hosts_returned()) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        self.restarts.reached("replacement_awaited")
+        return room
+
+    def _readied_held(self, group: HostGroup, sized: Sized) -> HostGroup | None:
+        """`group` started on `sized`'s hosts and mesh and trained held; None where a host
+        failed meanwhile (the group's start meets that failure again, as any group's)."""
+        try:
+            self._start(group)
+        except HostFailure:
+            return None
+        group.train(sized.cfg, sized.checked.mesh, os.getcwd(), held=True)
+        return group
 
     def _placed_in_time(self, cluster) -> HostGroup | None:
         """A group of `cluster`'s hosts that Ray placed within fault.replace_timeout_s; None
@@ -218,8 +267,8 @@ class Supervisor:
             return None
 
     def _ask_for_returning_hosts(self) -> None:
-        """While the run is shrunk, ask Ray for the hosts it lacks."""
-        if self.checked.hosts < self.configured.checked.hosts:
+        """While the run is shrunk, ask Ray for the hosts it lacks (where not asked yet)."""
+        if self.returning is None and self.checked.hosts < self.configured.checked.hosts:
             self.returning = request_returning_hosts(
                 self.configured.cfg.cluster, self.checked.hosts
             )
@@ -275,20 +324,28 @@ class Supervisor:
 
     def _run_host_group(self) -> list[dict]:
         group, self.next_group = self.next_group or self._request_group(), None
-        bound = self.cfg.fault.startup_timeout_s
+        held, self.held = self.held, None
         try:
-            group.wait_placed(self._notify)
-            self._mark("hosts_placed")
-            self.seen.identities = self._unless_failed(group, group.identities, bound)
-            self._mark("actors_started")
-            self.seen.coordinator = self._unless_failed(group, group.join, bound)
-            self._mark("jax_cluster_joined")
-            group.train(self.cfg, self.checked.mesh, os.getcwd())
+            if group is held:
+                group.begin()
+            else:
+                self._start(group)
+                group.train(self.cfg, self.checked.mesh, os.getcwd())
             return self._supervise(group)
         finally:
             # Marked as the release begins: no other group is placed on these hosts before.
             self.seen.mark("hosts_released", latest=True)
             group.shutdown()
+
+    def _start(self, group: HostGroup) -> None:
+        """Until `group`'s hosts are placed, started and joined in one JAX cluster."""
+        bound = self.cfg.fault.startup_timeout_s
+        group.wait_placed(self._notify)
+        self._mark("hosts_placed")
+        self.seen.identities = self._unless_failed(group, group.identities, bound)
+        self._mark("actors_started")
+        self.seen.coordinator = self._unless_failed(group, group.join, bound)
+        self._mark("jax_cluster_joined")
 
     def _unless_failed(self, group: HostGroup, call, *args):
         """`call(*args)`, a failed host's error turned into the run's failure."""
@@ -401,7 +458,10 @@ class Supervisor:
             self.next_group = self._request_group()
 
     def _request_group(self) -> HostGroup:
-        return request_hosts(self.cfg.cluster, self.cfg.fault.startup_timeout_s)
+        return self._request_group_of(Sized(self.cfg, self.checked))
+
+    def _request_group_of(self, sized: Sized) -> HostGroup:
+        return request_hosts(sized.cfg.cluster, self.cfg.fault.startup_timeout_s)
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.checked.data_spec.fingerprint:

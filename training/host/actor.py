@@ -36,6 +36,7 @@ class HostActor:
         self._port_reservation: socket.socket | None = None
         self._claim = threading.Lock()
         self._claimed = False
+        self._begun = threading.Event()  # see `train`'s `held`
         # While the driver still gathers the hosts and runs its checks: importing touches no
         # device, so `jax.distributed.initialize` still comes first.
         self._imports = threading.Thread(target=_import_libraries, name="imports", daemon=True)
@@ -61,6 +62,10 @@ class HostActor:
         """Every host checkpoints and returns at the next step all reach (the driver is
         being preempted)."""
         self.preemption.notice("the driver's stop")
+
+    def begin(self) -> None:
+        """A group trained `held` takes its first step now."""
+        self._begun.set()
 
     def identity(self) -> dict:
         context = ray.get_runtime_context()
@@ -122,8 +127,11 @@ class HostActor:
         if self._port_reservation is not None:  # the coordinator is listening now
             self._port_reservation.close()
 
-    def train(self, cfg: RunConfig, mesh: MeshShape, inbox, driver_dir: str) -> dict:
-        """Train on the joined cluster (`join_jax_cluster` first)."""
+    def train(
+        self, cfg: RunConfig, mesh: MeshShape, inbox, driver_dir: str, held: bool = False
+    ) -> dict:
+        """Train on the joined cluster (`join_jax_cluster` first); `held`: build, restore and
+        compile, then wait for `begin` before the first step."""
         # Relative paths (data files, the user's model module) mean what they mean on the
         # driver: run in the driver's directory where this node has it (a local run, shared
         # storage), else in this actor's own (a Ray job's copy of the shipped directory).
@@ -137,7 +145,8 @@ class HostActor:
         # output to.
         output = sent_to(send) if self._claimed else None
         drained = _node_drained(ray.get_runtime_context().get_node_id())
-        return serve(self.host_index, cfg, mesh, send, self.preemption, output, [drained])
+        begun = self._begun if held else None
+        return serve(self.host_index, cfg, mesh, send, self.preemption, output, [drained], begun)
 
 
 def _node_drained(node_id: str) -> NoticeSource:

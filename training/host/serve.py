@@ -4,6 +4,7 @@ process): the trainer, with its phase beating and its warnings sent as events.""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -30,12 +31,14 @@ def serve(
     preemption: Preemption,
     output: AbstractContextManager | None = None,
     node_notices: Sequence[NoticeSource] = (),
+    begun: threading.Event | None = None,
 ) -> dict:
     """Train (`training.host.trainer.train`) as host `host` in the working directory, the
     user's modules found there first; the beats go on while the host builds, compiles or
     saves, however long. `output`: where what the host prints goes meanwhile. Meanwhile
     the machine's notices are watched: `node_notices`, and GCE's metadata server where
-    there is one (`training.host.preemption`)."""
+    there is one (`training.host.preemption`). `begun`: the first step waits for it
+    (`training.host.trainer.train`)."""
     from training.host.trainer import train
     from training.models.locate import put_first_on_path
 
@@ -46,4 +49,4 @@ def serve(
         notices.append(gce_notices(server))
     watch = NoticeWatch(preemption, notices, NOTICE_POLL_S)
     with forward_warnings(send), Beats(phase, send), watch, output or nullcontext():
-        return {"host": host, **train(cfg, mesh, send, preemption, phase)}
+        return {"host": host, **train(cfg, mesh, send, preemption, phase, begun)}

@@ -5,6 +5,7 @@ Nothing here knows about Ray: progress leaves as events (`training.events`) thro
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -62,11 +63,14 @@ def train(
     send: Send,
     preemption: Preemption | None = None,
     phase: Phase | None = None,
+    begun: threading.Event | None = None,
 ) -> dict:
     """Train from the newest checkpoint (or from scratch) to trainer.steps, or until a
     notice (`preemption`: the driver's stop, a host's SIGTERM, its machine going away) has
     every host checkpoint and stop. `phase` is kept up to date with what the host is doing
-    and the last step it finished (see `training.host.phases`)."""
+    and the last step it finished (see `training.host.phases`). `begun`: where given, the
+    host builds, restores and compiles, then waits for it before its first step (a group
+    the driver readies while it may still not need it)."""
     import jax
 
     phase = phase or Phase()
@@ -117,6 +121,7 @@ def train(
         start,
         guard,
         profile,
+        begun,
     )
     if checkpoints:
         checkpoints.close()
@@ -209,12 +214,13 @@ def _train_loop(
     start: int,
     guard: StepGuard,
     profile: StepProfile,
+    begun: threading.Event | None,
 ) -> tuple[float | None, int]:
     """Train from step `start`; send each logged step. Return the last logged loss (None
     if no step was left) and the step reached. The step must fit `budget_bytes` per device
     (plan.device_memory_gb) as well as the devices' own memory. The first step is waited
     for and reported with how long the step took to compile and whether the compile cache
-    served it."""
+    served it; with `begun`, dispatched once it is set."""
     if start >= trainer.steps:
         return None, start
     guard.phase.set(COMPILING)
@@ -226,6 +232,8 @@ def _train_loop(
             compiled["compile_seconds"] = runner.compile(batches.peek())
         compiled["step_memory_bytes"] = runner.memory.needed
         check_step_fits(runner.memory.needed, budget_bytes)
+        if begun is not None:
+            begun.wait()
         with out_of_memory_explained("at run time"):
             reached = _steps(
                 trainer,
