@@ -5,7 +5,8 @@ logit scale, soft cap and sliding window, fewer key/value heads than query heads
 ids for padding).
 
 - TPU: JAX's Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
-  which never holds the (batch, heads, seq, seq) scores, forward or backward.
+  which never holds the (batch, heads, seq, seq) scores, forward or backward; given segment
+  ids, it skips the blocks no segment shares (training/models/segment_blocks.py).
 - GPU: cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`, in
   bfloat16 or float16.
 - CPU, and wherever the kernel does not take the inputs: the einsum path, which materialises
@@ -34,6 +35,9 @@ from jax.sharding import PartitionSpec
 from keras import ops
 from keras.distribution import distribution
 
+from training import keras_compat
+from training.models import segment_blocks
+
 IMPLEMENTATIONS = ("auto", "einsum", "fused")
 # Splash attention's tiles along the query and the key sequence, a multiple of its 128 lanes:
 # the largest of these that divides the sequence length, with the fused backward kernel.
@@ -45,6 +49,13 @@ IMPLEMENTATIONS = ("auto", "einsum", "fused")
 # accelerator_loops) on the v5e: tiles of 1024 against 512 took MFU from 0.620 to 0.651 at
 # seq 4096 x 4 and from 0.512 to 0.519 at 1024 x 16; tiles of 2048 overflow the kernel's VMEM.
 SPLASH_BLOCKS = (1024, 512, 256, 128)
+# Tiles for packed rows (several examples a row), whose kernels skip the block pairs no
+# example shares (training/models/segment_blocks.py): smaller tiles skip more, each costs
+# more. Rows of 2048 packed with examples of 20-500 tokens (the bench's, 99.5 % full) need
+# 3.0 of their 3 causal tile pairs at 1024, 7.0 of 10 at 512, 16.4 of 36 at 256, 43.0 of 136
+# at 128: by the per-tile times above, 0.90, 0.70, 0.71 and 1.05 of 512's time without
+# skipping. The chip decides between 512 and 256 (README, "Sequence packing").
+PACKED_SPLASH_BLOCKS = (512, 256, 128)
 # cuDNN's flash attention: its dtypes and the largest head size every GPU it runs on takes.
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128
@@ -168,12 +179,43 @@ def einsum_attention(query, key, value, segments=None):
 
 
 def splash_attention(query, key, value, segments=None, *, logits: Logits, interpret=False):
-    """Pallas splash attention, one example's heads per kernel call, mapped over the batch."""
-    # Imported here: Pallas' kernels add most of a second to importing jax.
+    """Pallas splash attention, one example's heads per kernel call, mapped over the batch;
+    with `segments`, each row's kernel skips the blocks no segment shares
+    (training/models/segment_blocks.py)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     _, seq, heads, _ = query.shape
-    block = next(b for b in SPLASH_BLOCKS if seq % b == 0)
+    tiles = SPLASH_BLOCKS if segments is None else PACKED_SPLASH_BLOCKS
+    block = next(b for b in tiles if seq % b == 0)
+    kernel = static_splash_kernel(seq, heads, block, logits, interpret)
+    # The kernel takes (heads, seq, head_dim) and does not scale the scores.
+    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
+    if segments is None:
+        return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
+    if block == seq or keras_compat.in_symbolic_call():
+        # One tile has nothing to skip; Keras' shape inference (a stand-in batch of 83 or 89
+        # rows) needs the output's shape only.
+        ids = splash.SegmentIds(q=segments, kv=segments)
+        return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
+    # One kernel call per row, each with its row's blocks. Not `jax.vmap`: Pallas maps a
+    # kernel whose block lists differ per row by a loop that kept twice the temporaries of
+    # the kernel mapped over rows (327 against 160 MB, one layer of TinyLlama's shape at
+    # 2048 x 2 compiled for a TPU v5e); calls row by row kept 32 MB.
+    rows = [
+        segment_blocks.skipping_kernel(kernel, ids, block)(
+            q, k, v, splash.SegmentIds(q=ids, kv=ids)
+        )
+        for q, k, v, ids in zip(query, key, value, segments, strict=True)
+    ]
+    return jnp.swapaxes(jnp.stack(rows), 1, 2)
+
+
+def static_splash_kernel(seq: int, heads: int, block: int, logits: Logits, interpret=False):
+    """Splash attention's kernel for `heads` heads of `seq` positions in tiles of `block`,
+    with the fused backward kernel: causal, or the last `logits.window` keys where given."""
+    # Imported here: Pallas' kernels add most of a second to importing jax.
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -187,18 +229,12 @@ def splash_attention(query, key, value, segments=None, *, logits: Logits, interp
         head_mask = splash.CausalMask((seq, seq))
     else:
         head_mask = splash.LocalMask((seq, seq), (logits.window - 1, 0), offset=0)
-    kernel = splash.make_splash_mha_single_device(
+    return splash.make_splash_mha_single_device(
         splash.MultiHeadMask([head_mask] * heads),
         block_sizes=sizes,
         attn_logits_soft_cap=logits.soft_cap,
         interpret=interpret,
     )
-    # The kernel takes (heads, seq, head_dim) and does not scale the scores.
-    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
-    if segments is None:
-        return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
-    ids = splash.SegmentIds(q=segments, kv=segments)
-    return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
 
 
 def cudnn_attention(query, key, value, segments=None, *, logits: Logits):

@@ -1,0 +1,161 @@
+"""Splash attention on rows with segment ids skips the block pairs no segment shares
+(training/models/segment_blocks.py): the blocks it computes are exactly those a brute-force
+look at every (query, key) pair needs, a skipped step copies no block of its own, and the
+kernel (Pallas' interpreter on the CPU) gives JAX's own attention's outputs and gradients on
+packed rows with padding and grouped-query attention, whatever the order of the ids, and on
+each device of a mesh sending nothing."""
+
+import jax
+import jax.numpy as jnp
+import keras  # noqa: F401  (first: importing keras registers the package's saved classes)
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from training.config import StrategyConfig
+from training.models.attention import Logits, choose, fused_attention, static_splash_kernel
+from training.models.segment_blocks import skipping_kernel
+from training.parallel.mesh import MeshShape, build_distribution, device_grid
+from training.parallel.strategy import Strategy
+from training.planning import collectives
+
+
+def packed_row(rng, seq: int, shortest: int, longest: int) -> np.ndarray:
+    """Segment ids of a row of examples of random lengths one after another (1, 2, ...),
+    then padding (0) where the next example would not fit."""
+    ids = np.zeros(seq, np.int32)
+    at, example = 0, 1
+    while (length := int(rng.integers(shortest, longest + 1))) <= seq - at:
+        ids[at : at + length] = example
+        at, example = at + length, example + 1
+    return ids
+
+
+def brute_force_blocks(ids: np.ndarray, block: int) -> np.ndarray:
+    """(q blocks, kv blocks): whether some query of the block pair sees a key of it, causal
+    and of its own segment, from every (query, key) pair."""
+    seq = len(ids)
+    sees = np.tril(np.ones((seq, seq), bool)) & (ids[:, None] == ids[None, :])
+    return sees.reshape(seq // block, block, seq // block, block).any(axis=(1, 3))
+
+
+ROWS = [
+    packed_row(np.random.default_rng(seed), 1024, shortest, longest)
+    for seed, (shortest, longest) in enumerate([(20, 500), (5, 60), (100, 300), (300, 1000)])
+] + [
+    np.zeros(1024, np.int32),  # all padding
+    np.r_[np.full(512, 1), np.zeros(512)].astype(np.int32),  # one example and padding
+]
+
+
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("row", range(len(ROWS)))
+def test_the_blocks_computed_are_those_a_query_and_a_key_of_one_segment_share(row, block):
+    ids = ROWS[row]
+    kernel = skipping_kernel(
+        static_splash_kernel(1024, 2, block, Logits(1.0)), jnp.asarray(ids), block
+    )
+    want = brute_force_blocks(ids, block)
+    for info in (kernel.fwd_mask_info, kernel.dkv_mask_info):
+        np.testing.assert_array_equal(np.asarray(info.block_mask)[0] != 0, want)
+
+
+@pytest.mark.parametrize("row", range(len(ROWS)))
+def test_a_skipped_step_keeps_the_next_computed_block_and_a_computed_step_has_its_own(row):
+    block = 128
+    kernel = skipping_kernel(
+        static_splash_kernel(1024, 2, block, Logits(1.0)), jnp.asarray(ROWS[row]), block
+    )
+    computed = np.asarray(kernel.fwd_mask_info.block_mask)[0] != 0
+    q_blocks, kv_blocks = computed.shape
+    # The forward kernel walks key blocks (j) within query blocks (i), the dkv kernel query
+    # blocks within key blocks; data_next names the key block, resp. the query block.
+    walks = [
+        (
+            computed.reshape(-1),
+            np.asarray(kernel.fwd_mask_info.data_next)[0].reshape(-1),
+            np.tile(np.arange(kv_blocks), q_blocks),
+        ),
+    ] + [
+        (computed[:, j], np.asarray(kernel.dkv_mask_info.data_next)[0][:, j], np.arange(q_blocks))
+        for j in range(kv_blocks)
+    ]
+    for runs, data_next, own in walks:
+        np.testing.assert_array_equal(data_next[runs], own[runs])
+        skipped = np.flatnonzero(~runs[:-1])
+        np.testing.assert_array_equal(data_next[skipped], data_next[skipped + 1])
+
+
+def jax_attention(query, key, value, ids):
+    """JAX's own attention, causal and within segments, independent of the code under test."""
+    seq = ids.shape[1]
+    same = (ids[:, :, None] == ids[:, None, :]) & jnp.tril(jnp.ones((seq, seq), bool))
+    return jax.nn.dot_product_attention(query, key, value, mask=same[:, None], implementation="xla")
+
+
+def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows():
+    """Rows of 640 positions in tiles of 128 (five blocks, most pairs skipped): packed with
+    padding, one of examples in falling order (the ids' ranges then name extra blocks), one
+    of padding only; 4 query heads on 2 key/value heads."""
+    rng = np.random.default_rng(0)
+    rows = [packed_row(rng, 640, 20, 200), packed_row(rng, 640, 20, 200)[::-1].copy()]
+    ids = jnp.asarray(np.stack([*rows, np.zeros(640, np.int32)]))
+    assert sum(brute_force_blocks(np.asarray(r), 128).sum() for r in rows) < 2 * 15
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(3, 640, 4, 16), (3, 640, 2, 16), (3, 640, 2, 16), (3, 640, 4, 16)]
+    q, k, v, cotangent = (
+        jax.random.normal(key, shape) for key, shape in zip(keys, shapes, strict=True)
+    )
+    choice = choose("fused", "cpu", "float32", 640, 16)
+    assert choice.kernel == "splash" and choice.interpret
+
+    def fused(q, k, v):
+        return fused_attention(choice, q, k, v, Logits(16**-0.5), ids)
+
+    def reference(q, k, v):
+        return jax_attention(q, k, v, ids)
+
+    def outputs_and_grads(attention):
+        outputs, vjp = jax.vjp(attention, q, k, v)
+        return outputs, vjp(cotangent)
+
+    got, want = jax.jit(outputs_and_grads, static_argnums=0)(fused), outputs_and_grads(reference)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    for got_grad, want_grad in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(got_grad, want_grad, atol=1e-4)
+
+
+def test_on_each_device_of_a_2x4_mesh_the_kernel_skips_and_gives_jaxs_attention():
+    """Two packed rows on each half of the batch axis, one head on each device of `model`:
+    each device's rows through their own kernels, nothing sent between devices."""
+    hybrid = Strategy.of(StrategyConfig(name="hybrid"))
+    distribution = build_distribution(hybrid, device_grid(jax.devices(), MeshShape(2, 4)), {})
+    mesh = distribution.device_mesh.backend_mesh
+    heads_split = NamedSharding(mesh, PartitionSpec("data", None, "model", None))
+    rng = np.random.default_rng(1)
+    ids = jax.device_put(
+        jnp.asarray(np.stack([packed_row(rng, 384, 20, 150) for _ in range(4)])),
+        NamedSharding(mesh, PartitionSpec("data", None)),
+    )
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, cotangent = (
+        jax.device_put(jax.random.normal(key, (4, 384, 4, 8)), heads_split) for key in keys
+    )
+    choice = choose("fused", "cpu", "float32", 384, 8)
+
+    def fused(q, k, v):
+        return fused_attention(choice, q, k, v, Logits(8**-0.5), ids)
+
+    def loss_and_grads(attention):
+        loss = lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    with distribution.scope():
+        got = loss_and_grads(fused)(q, k, v)
+        hlo = jax.jit(fused).lower(q, k, v).compile().as_text()
+    want = loss_and_grads(lambda q, k, v: jax_attention(q, k, v, ids))(q, k, v)
+
+    assert collectives.from_hlo(hlo, 8) == []
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for got_grad, want_grad in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
