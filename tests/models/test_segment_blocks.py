@@ -86,17 +86,22 @@ def test_a_skipped_step_keeps_the_next_computed_block_and_a_computed_step_has_it
         np.testing.assert_array_equal(data_next[skipped], data_next[skipped + 1])
 
 
-def jax_attention(query, key, value, ids):
-    """JAX's own attention, causal and within segments, independent of the code under test."""
+def jax_attention(query, key, value, ids, window=None):
+    """JAX's own attention, causal (each query's last `window` keys where given) and within
+    segments, independent of the code under test."""
     seq = ids.shape[1]
-    same = (ids[:, :, None] == ids[:, None, :]) & jnp.tril(jnp.ones((seq, seq), bool))
+    before = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
+    seen = (before >= 0) if window is None else (before >= 0) & (before < window)
+    same = (ids[:, :, None] == ids[:, None, :]) & seen
     return jax.nn.dot_product_attention(query, key, value, mask=same[:, None], implementation="xla")
 
 
-def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows():
+@pytest.mark.parametrize("window", [None, 150])
+def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
     """Rows of 640 positions in tiles of 128 (five blocks, most pairs skipped): packed with
     padding, one of examples in falling order (the ids' ranges then name extra blocks), one
-    of padding only; 4 query heads on 2 key/value heads."""
+    of padding only; 4 query heads on 2 key/value heads; causal, or a sliding window (the
+    static mask's own blocks then skip too)."""
     rng = np.random.default_rng(0)
     rows = [packed_row(rng, 640, 20, 200), packed_row(rng, 640, 20, 200)[::-1].copy()]
     ids = jnp.asarray(np.stack([*rows, np.zeros(640, np.int32)]))
@@ -110,10 +115,10 @@ def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows():
     assert choice.kernel == "splash" and choice.interpret
 
     def fused(q, k, v):
-        return fused_attention(choice, q, k, v, Logits(16**-0.5), ids)
+        return fused_attention(choice, q, k, v, Logits(16**-0.5, window=window), ids)
 
     def reference(q, k, v):
-        return jax_attention(q, k, v, ids)
+        return jax_attention(q, k, v, ids, window)
 
     def outputs_and_grads(attention):
         outputs, vjp = jax.vjp(attention, q, k, v)
