@@ -3,16 +3,18 @@
 look at every (query, key) pair needs, a skipped step copies no block of its own, and the
 kernel (Pallas' interpreter on the CPU) gives JAX's own attention's outputs and gradients on
 packed rows with padding and grouped-query attention, whatever the order of the ids, and on
-each device of a mesh sending nothing."""
+each device of a mesh sending nothing, and through a keras-hub Llama on packed rows."""
 
 import jax
 import jax.numpy as jnp
-import keras  # noqa: F401  (first: importing keras registers the package's saved classes)
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tests.models.test_hub_attention import VOCABULARY, loss_and_gradients
+from tests.models.test_hub_packing import tiny_task
 from training.config import StrategyConfig
+from training.models import hub_attention
 from training.models.attention import Logits, choose, fused_attention, static_splash_kernel
 from training.models.segment_blocks import skipping_kernel
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
@@ -164,3 +166,23 @@ def test_on_each_device_of_a_2x4_mesh_the_kernel_skips_and_gives_jaxs_attention(
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for got_grad, want_grad in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_keras_hub_llama_on_packed_rows_of_several_tiles_trains_as_with_its_own_attention():
+    """Through hub_attention's fused kernel (segment ids read from keras-hub's packed mask),
+    rows of three tiles skip blocks and give keras-hub's own loss and gradients."""
+    rng = np.random.default_rng(2)
+    ids = np.stack([packed_row(rng, 384, 20, 150) for _ in range(2)])
+    tokens = rng.integers(1, VOCABULARY, (2, 385)).astype("int32")
+    inputs = {"token_ids": tokens[:, :-1], "padding_mask": (ids != 0).astype("int32")}
+    data = ({**inputs, "segment_ids": ids}, tokens[:, 1:], (ids != 0).astype("float32"))
+    model = tiny_task("llama")
+    (want_loss, want_grads), _ = loss_and_gradients(model, data)
+    hub_attention.install(model.task, "fused")
+    (got_loss, got_grads), traced = loss_and_gradients(model, data)
+
+    assert "pallas_call" in traced
+    np.testing.assert_allclose(got_loss, want_loss, rtol=2e-5)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(got_grad, want_grad, rtol=2e-4, atol=2e-6)
