@@ -148,19 +148,24 @@ def causal_attention(query, key, value, implementation: str = "auto", segments=N
         if implementation == "auto" and on != "cpu":
             warnings.warn(f"attention runs the einsum path: {choice.reason}", stacklevel=2)
         return einsum_attention(query, key, value, segments)
-    return fused_attention(choice, query, key, value, Logits(head_dim**-0.5), segments)
+    # The transformer's segments are its packed documents.
+    logits = Logits(head_dim**-0.5)
+    return fused_attention(choice, query, key, value, logits, segments, packed=segments is not None)
 
 
-def fused_attention(choice: Choice, query, key, value, logits: Logits, segments=None):
+def fused_attention(
+    choice: Choice, query, key, value, logits: Logits, segments=None, packed: bool = False
+):
     """Causal attention through the fused kernel `choice` names, on each device's rows and
     heads: query (batch, seq, heads, head_dim); key and value (batch, seq, kv_heads,
     head_dim), kv_heads dividing heads (grouped-query attention, each key and value head
     read by heads / kv_heads query heads in turn, never repeated); `segments` (batch, seq)
-    integers or None: a query sees only keys of its own segment (padding, packed examples)."""
+    integers or None: a query sees only keys of its own segment (padding, packed examples);
+    `packed`: the rows are packed rows (several examples each)."""
     if choice.kernel == "cudnn":
         kernel = partial(cudnn_attention, logits=logits)
     else:
-        kernel = partial(splash_attention, logits=logits, interpret=choice.interpret)
+        kernel = partial(splash_attention, logits=logits, interpret=choice.interpret, packed=packed)
     return on_each_device(kernel, query, key, value, segments)
 
 
@@ -178,14 +183,16 @@ def einsum_attention(query, key, value, segments=None):
     return ops.einsum("bnts,bsnh->btnh", weights, value)
 
 
-def splash_attention(query, key, value, segments=None, *, logits: Logits, interpret=False):
+def splash_attention(
+    query, key, value, segments=None, *, logits: Logits, interpret=False, packed=False
+):
     """Pallas splash attention, one example's heads per kernel call, mapped over the batch;
     with `segments`, each row's kernel skips the blocks no segment shares
-    (training/models/segment_blocks.py)."""
+    (training/models/segment_blocks.py), in tiles for packed rows where `packed`."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     _, seq, heads, _ = query.shape
-    tiles = SPLASH_BLOCKS if segments is None else PACKED_SPLASH_BLOCKS
+    tiles = PACKED_SPLASH_BLOCKS if packed else SPLASH_BLOCKS
     block = next(b for b in tiles if seq % b == 0)
     kernel = static_splash_kernel(seq, heads, block, logits, interpret)
     # The kernel takes (heads, seq, head_dim) and does not scale the scores.

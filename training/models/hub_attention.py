@@ -85,7 +85,8 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
             key, value = key[:, :, ::groups], value[:, :, ::groups]
         segments = None if attention_mask is None else segments_of(attention_mask)
         logits = Logits(form.scale, form.soft_cap, form.window)
-        return fused_attention(choice, query, key, value, logits, segments)
+        packed = hub_packing.feeding_packed_rows()
+        return fused_attention(choice, query, key, value, logits, segments, packed)
 
     return compute
 
