@@ -117,7 +117,7 @@ def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
     assert choice.kernel == "splash" and choice.interpret
 
     def fused(q, k, v):
-        return fused_attention(choice, q, k, v, Logits(16**-0.5, window=window), ids)
+        return fused_attention(choice, q, k, v, Logits(16**-0.5, window=window), ids, packed=True)
 
     def reference(q, k, v):
         return jax_attention(q, k, v, ids, window)
@@ -151,7 +151,7 @@ def test_on_each_device_of_a_2x4_mesh_the_kernel_skips_and_gives_jaxs_attention(
     choice = choose("fused", "cpu", "float32", 384, 8)
 
     def fused(q, k, v):
-        return fused_attention(choice, q, k, v, Logits(8**-0.5), ids)
+        return fused_attention(choice, q, k, v, Logits(8**-0.5), ids, packed=True)
 
     def loss_and_grads(attention):
         loss = lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)  # noqa: E731

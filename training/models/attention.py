@@ -5,8 +5,8 @@ logit scale, soft cap and sliding window, fewer key/value heads than query heads
 ids for padding).
 
 - TPU: JAX's Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
-  which never holds the (batch, heads, seq, seq) scores, forward or backward; given segment
-  ids, it skips the blocks no segment shares (training/models/segment_blocks.py).
+  which never holds the (batch, heads, seq, seq) scores, forward or backward; on packed rows
+  it skips the blocks no segment shares (training/models/segment_blocks.py).
 - GPU: cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`, in
   bfloat16 or float16.
 - CPU, and wherever the kernel does not take the inputs: the einsum path, which materialises
@@ -187,8 +187,8 @@ def splash_attention(
     query, key, value, segments=None, *, logits: Logits, interpret=False, packed=False
 ):
     """Pallas splash attention, one example's heads per kernel call, mapped over the batch;
-    with `segments`, each row's kernel skips the blocks no segment shares
-    (training/models/segment_blocks.py), in tiles for packed rows where `packed`."""
+    `packed` (rows of several examples, `segments` their ids): in tiles for packed rows, each
+    row's kernel skipping the blocks no segment shares (training/models/segment_blocks.py)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     _, seq, heads, _ = query.shape
@@ -199,8 +199,9 @@ def splash_attention(
     query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
     if segments is None:
         return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
-    if block == seq or keras_compat.in_symbolic_call():
-        # One tile has nothing to skip; Keras' shape inference (a stand-in batch of 83 or 89
+    if not packed or block == seq or keras_compat.in_symbolic_call():
+        # Padding alone leaves little to skip and a kernel per row costs compile time (below);
+        # one tile has nothing to skip; Keras' shape inference (a stand-in batch of 83 or 89
         # rows) needs the output's shape only.
         ids = splash.SegmentIds(q=segments, kv=segments)
         return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
