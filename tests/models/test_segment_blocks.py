@@ -98,7 +98,7 @@ def jax_attention(query, key, value, ids, window=None):
     return jax.nn.dot_product_attention(query, key, value, mask=same[:, None], implementation="xla")
 
 
-@pytest.mark.parametrize("window", [None, 150])
+@pytest.mark.parametrize("window", [None, pytest.param(150, marks=pytest.mark.slow)])
 def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
     """Rows of 640 positions in tiles of 128 (five blocks, most pairs skipped): packed with
     padding, one of examples in falling order (the ids' ranges then name extra blocks), one
@@ -132,6 +132,7 @@ def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
         np.testing.assert_allclose(got_grad, want_grad, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_on_each_device_of_a_2x4_mesh_the_kernel_skips_and_gives_jaxs_attention():
     """Two packed rows on each half of the batch axis, one head on each device of `model`:
     each device's rows through their own kernels, nothing sent between devices."""
