@@ -17,6 +17,17 @@ and against its analytic estimate (state, gradients, activations), and whether i
 
     python -m scripts.bench.plan_memory --accelerator [--workloads=mlp-wide,transformer-86M]
         [--remats=none,full]
+
+With --slices, for TPU slices by libtpu's own compiler on this machine's CPU (no chip; the
+`tpu` extra): an MLP (2 blocks 2048 × 8192), the built-in transformer (2 layers, d_model
+1024, seq 256) and a keras-hub Llama (2 layers, hidden 1024, seq 256), under data parallel,
+fsdp and hybrid + fsdp (model axis 2 on 4 chips, else 4), 8 examples per chip, float32, no
+remat: per chip, the state (weights, optimizer), the temporaries (gradients, activations)
+and what a chip needs (libtpu's peak with the outputs and the next batch; the estimate's
+whole) as libtpu compiles the hosts' step against the plan's estimate, as a markdown table.
+One compile at a time; the 256-chip cells take the longest.
+
+    python -m scripts.bench.plan_memory --slices 2x2,4x4,16x16
 """
 
 from __future__ import annotations
@@ -35,6 +46,36 @@ from scripts.bench.harness import (
 )
 
 TARGET = "0.90–1.10"
+# The slice table's models, strategies (name, further overrides) and chips per example.
+SLICE_MODELS = {
+    "MLP, 2 blocks 2048 × 8192": [
+        "model=mlp",
+        "model.kwargs.d_model=2048",
+        "model.kwargs.hidden=8192",
+    ],
+    "transformer, 2 layers, d_model 1024, seq 256": [
+        "model=transformer",
+        "data=text",
+        "model.seq_len=256",
+        "model.kwargs.d_model=1024",
+        "model.kwargs.d_ff=4096",
+    ],
+    "keras-hub Llama, 2 layers, hidden 1024, seq 256": [
+        "model=hub",
+        "data=text",
+        "model.seq_len=256",
+        "model.kwargs.hidden_dim=1024",
+        "model.kwargs.intermediate_dim=4096",
+        "model.kwargs.num_query_heads=8",
+        "model.kwargs.num_key_value_heads=8",
+    ],
+}
+SLICE_STRATEGIES = {
+    "data parallel": ["strategy=data_parallel"],
+    "fsdp": ["strategy=fsdp"],
+    "hybrid + fsdp": ["strategy=hybrid", "strategy.fsdp=true"],
+}
+EXAMPLES_PER_CHIP = 8
 
 
 def plan_against_compiled() -> list[dict]:
@@ -147,6 +188,87 @@ def plan_against_accelerator(workloads: list[str], remats: list[str]) -> list[di
     return rows
 
 
+def plan_against_libtpu(topologies: list[str]) -> list[dict]:
+    """Per chip of v5e slices of each topology: libtpu's compiled step against the estimate."""
+    from training.parallel.dtypes import readable_bytes
+
+    print(
+        "| model | strategy | chips | mesh | state compiled | estimated | ratio | "
+        "temporaries compiled | estimated | ratio | needed compiled | estimated | ratio |"
+    )
+    print("|---|---|---|---|" + "---|" * 9)
+    rows = []
+    for model, model_overrides in SLICE_MODELS.items():
+        for strategy, strategy_overrides in SLICE_STRATEGIES.items():
+            for topology in topologies:
+                found = slice_figures(topology, [*model_overrides, *strategy_overrides])
+                cells = []
+                for compiled, estimated in zip(found["compiled"], found["estimated"], strict=True):
+                    cells += [
+                        readable_bytes(compiled),
+                        readable_bytes(estimated),
+                        ratio(estimated, compiled).strip(),
+                    ]
+                print(
+                    f"| {model} | {strategy} | {found['chips']} | {found['mesh']} | "
+                    + " | ".join(cells)
+                    + " |",
+                    flush=True,
+                )
+                rows.append({"model": model, "strategy": strategy, **found})
+    return rows
+
+
+def slice_figures(topology: str, overrides: list[str]) -> dict:
+    """The (state, temporaries, what a chip needs) of `overrides`' step on a v5e slice of
+    `topology`, as libtpu compiles it and as the plan estimates it. libtpu's temporaries
+    leave out what it places in the step's outputs (0 B for the MLP's fsdp step on 16
+    chips): `needed` (its peak, the outputs not updated in place, the next batch) is what a
+    chip must hold, against the estimate's whole (state, gradients, activations)."""
+    import math
+    from dataclasses import replace
+
+    from training.config import compose_run_config
+    from training.driver.preflight import preflight
+    from training.parallel.strategy import Strategy
+    from training.plan import sized_for_the_plan
+    from training.planning.compiled import compile_ahead_of_time
+    from training.planning.costs import abstract_model, strategy_cost
+    from training.planning.target import compile_target
+
+    chips = math.prod(int(n) for n in topology.split("x"))
+    model_axis = 2 if chips == 4 else 4
+    cfg = sized_for_the_plan(
+        compose_run_config(
+            [
+                "cluster=ray",
+                "cluster.platform=tpu",
+                f"cluster.tpu_topology={topology}",
+                "cluster.tpu_version=v5litepod",
+                f"trainer.global_batch={EXAMPLES_PER_CHIP * chips}",
+                *overrides,
+                *(
+                    [f"mesh.data={chips // model_axis}", f"mesh.model={model_axis}"]
+                    * ("strategy=hybrid" in overrides)
+                ),
+            ]
+        )
+    )
+    assert compile_target(cfg).topology, "libtpu is not installed: pip install -e '.[tpu]'"
+    checked = preflight(replace(cfg, plan=replace(cfg.plan, check_memory=False)))
+    model = abstract_model(cfg, checked.data_spec)
+    estimate = strategy_cost(
+        cfg, model, Strategy.of(cfg.strategy), checked.mesh, cfg.trainer.micro_batch
+    ).memory
+    compiled = compile_ahead_of_time(cfg, checked.mesh).memory
+    return {
+        "chips": chips,
+        "mesh": f"{checked.mesh.data} × {checked.mesh.model}",
+        "compiled": (compiled.arguments, compiled.temporaries, compiled.needed),
+        "estimated": (estimate.state_bytes, estimate.temporary_bytes, estimate.total_bytes),
+    }
+
+
 def hosts_step_need(cfg) -> int:
     """What the step `host/loop.py` compiles for the live model needs per device."""
     from functools import partial
@@ -187,8 +309,11 @@ def main() -> None:
     parser.add_argument("--accelerator", action="store_true")
     parser.add_argument("--workloads", default="mlp-wide,transformer-86M,llama-lora")
     parser.add_argument("--remats", default=",".join(REMATS))
+    parser.add_argument("--slices", default="", help="v5e topologies, e.g. 2x2,4x4,16x16")
     args = parser.parse_args()
-    if args.accelerator:
+    if args.slices:
+        rows = plan_against_libtpu(args.slices.split(","))
+    elif args.accelerator:
         rows = plan_against_accelerator(args.workloads.split(","), args.remats.split(","))
     else:
         use_eight_cpu_devices()

@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import run_config
 from tests.driver.test_cluster import cluster_process
+from training import accelerators, tpus
 from training import config as config_module
-from training import tpus
 from training.config import (
     ConfigError,
     InProcessClusterConfig,
@@ -98,6 +98,22 @@ def test_the_plan_takes_a_tpu_chips_memory_from_its_kind(monkeypatch):
     monkeypatch.setattr(config_module, "tpu_kind", lambda: ("TPU v5 lite", 16_909_336_064))
     assert run_config(["cluster=inprocess"]).plan.device_memory_gb == pytest.approx(16.909)
     assert run_config(["cluster=inprocess", "plan.device_memory_gb=4"]).plan.device_memory_gb == 4
+
+
+def test_a_tpu_slices_plan_costs_its_chips_interconnect_and_peak():
+    """Every chip of a slice is on its inter-chip interconnect, across its VMs too: a group
+    spanning VMs is costed as one inside a VM (a GPU cluster's network port, 25 GB/s against
+    NVLink's 300, before), and a step's compute at the chip's peak, by its kind (v5p's, 459
+    TFLOP/s, where every device was given 100). Given figures stay."""
+    v5p = ["cluster=ray", "cluster.platform=tpu", "cluster.tpu_topology=4x8x8"]
+    plan = run_config([*v5p, "cluster.tpu_version=v5p"]).plan
+    assert plan.inter_host_gb_per_s == plan.intra_host_gb_per_s > 25
+    assert plan.device_tflops == accelerators.peak_tflops("TPU v5")
+    assert plan.device_memory_gb == pytest.approx(tpus.slice_device_memory("v5p") / 1e9, rel=1e-3)
+    given = run_config([*v5p, "cluster.tpu_version=v5p", "plan.inter_host_gb_per_s=12"]).plan
+    assert given.inter_host_gb_per_s == 12
+    gpus = run_config(["cluster=ray", "cluster.platform=gpu"]).plan
+    assert gpus.inter_host_gb_per_s < gpus.intra_host_gb_per_s
 
 
 def test_tpu_vms_of_a_ray_cluster_are_hosts_taking_every_chip():

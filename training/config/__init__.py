@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
+from training.accelerators import peak_tflops
 from training.config.checkpoint import CheckpointConfig, url_scheme
 from training.config.cluster import (
     CPU_HOSTS,
@@ -72,10 +73,23 @@ from training.config.tracking import (
 )
 from training.config.trainer import TrainerConfig
 from training.gpus import MEM_FRACTION, Gpu, discover_gpus
-from training.tpus import count_tpu_chips, slice_device_memory, tpu_kind
+from training.tpus import (
+    SLICE_ICI_GB_PER_S,
+    count_tpu_chips,
+    slice_chip_kind,
+    slice_device_memory,
+    tpu_kind,
+)
 
 # plan.device_memory_gb where the device's own is not known here: an 80 GB GPU's.
 DEFAULT_DEVICE_MEMORY_GB = 80.0
+# plan's links and throughput where no TPU slice gives them: GPU hosts' (NVLink inside a host,
+# a 200 Gb/s port per GPU between hosts), a sustained 100 TFLOP/s per device.
+DEFAULT_HARDWARE = {
+    "intra_host_gb_per_s": 300.0,
+    "inter_host_gb_per_s": 25.0,
+    "device_tflops": 100.0,
+}
 # The models that take packed rows' segment ids (data.pack): keras-hub's causal LMs
 # (training/models/hub_packing.py) and the transformer (training/models/transformer.py).
 PACKED_MODELS = ("hub", "transformer")
@@ -241,6 +255,7 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
     machine's TPU chips or GPUs, and plan.device_memory_gb for its devices."""
     cluster = run.cluster
     resolve = {LocalClusterConfig: resolve_local, InProcessClusterConfig: resolve_in_process}
+    run = settled_hardware(run)
     if type(cluster) not in resolve:
         return _with_device_memory(run, _slice_device_memory_gb(cluster))
     gpus = discover_gpus() if cluster.platform in ("auto", "gpu") else []
@@ -253,6 +268,23 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
         "or cluster=ray",
     )
     return _with_device_memory(replace(run, cluster=settled), _device_memory_gb(settled, gpus))
+
+
+def settled_hardware(run: RunConfig) -> RunConfig:
+    """plan's links and throughput where they are -1: a TPU slice's chips' interconnect,
+    inside its VMs and between them, and their dense bf16 peak; else DEFAULT_HARDWARE."""
+    version = getattr(run.cluster, "tpu_version", "")
+    ici = SLICE_ICI_GB_PER_S.get(version)
+    kind = slice_chip_kind(version)
+    found = {
+        "intra_host_gb_per_s": ici,
+        "inter_host_gb_per_s": ici,
+        "device_tflops": peak_tflops(kind) if kind else None,
+    }
+    settled = {
+        key: found[key] or DEFAULT_HARDWARE[key] for key in found if getattr(run.plan, key) == AUTO
+    }
+    return replace(run, plan=replace(run.plan, **settled))
 
 
 def _device_memory_gb(cluster: LocalClusterConfig | InProcessClusterConfig, gpus: list[Gpu]):

@@ -11,19 +11,26 @@ from training.config.common import AUTO, require, require_size_or_auto
 @dataclass
 class PlanConfig:
     """The hardware `python -m training.plan` predicts for (defaults: GPU hosts of 8 with
-    NVLink inside a host and a 200 Gb/s network port per GPU between hosts).
+    NVLink inside a host and a 200 Gb/s network port per GPU between hosts; for a TPU slice,
+    its chips' interconnect and peak).
 
     Each collective is costed on the link its group uses: devices of one host talk over
-    `intra_host_gb_per_s`, a group that spans hosts is held to `inter_host_gb_per_s`."""
+    `intra_host_gb_per_s`, a group that spans hosts is held to `inter_host_gb_per_s`.
+    -1 (the default of both and of `device_tflops`) is settled with the config
+    (`training.config.settled_hardware`)."""
 
-    # Bytes per second each device moves, one direction: NVLink ~300-450, PCIe ~20
-    intra_host_gb_per_s: float = 300.0
-    # ... and to other hosts: 100 GbE ~12, 400 Gb/s InfiniBand per GPU ~50
-    inter_host_gb_per_s: float = 25.0
+    # Bytes per second each device moves, one direction: NVLink ~300-450, PCIe ~20;
+    # -1: 300, or a TPU slice's chip's inter-chip interconnect (v5e 200, v5p 600)
+    intra_host_gb_per_s: float = AUTO
+    # ... and to other hosts: 100 GbE ~12, 400 Gb/s InfiniBand per GPU ~50; -1: 25, or, in a
+    # TPU slice, whose VMs' chips are joined by the same interconnect, that
+    inter_host_gb_per_s: float = AUTO
     # Devices that share the fast link; -1: cluster.devices_per_host
     devices_per_host: int = AUTO
     latency_us: float = 10.0  # fixed cost of one collective
-    device_tflops: float = 100.0  # sustained training throughput of one device
+    # Sustained training throughput of one device; -1: 100, or a TPU slice's chip's dense
+    # bf16 peak (v5e 197, v5p 459; the predicted step then a bound from below)
+    device_tflops: float = AUTO
     # -1: the device's own where this machine's run has one (its GPUs' memory as nvidia-smi
     # lists it, less what JAX leaves to others; a TPU chip's, known by its PCI id), else 80
     device_memory_gb: float = AUTO
@@ -46,7 +53,8 @@ class PlanConfig:
     def __post_init__(self) -> None:
         positive = ("intra_host_gb_per_s", "inter_host_gb_per_s", "device_tflops")
         for key in positive:
-            require(getattr(self, key) > 0, f"plan.{key} must be > 0")
+            value = getattr(self, key)
+            require(value > 0 or value == AUTO, f"plan.{key} must be > 0, or -1 to derive it")
         require(
             self.device_memory_gb > 0 or self.device_memory_gb == AUTO,
             "plan.device_memory_gb must be > 0, or -1 for the device's own",

@@ -9,9 +9,18 @@ lengths Keras leaves unknown in a node's output, filled from its inputs.
 from __future__ import annotations
 
 import string
+import weakref
 from typing import NamedTuple
 
 from training import keras_compat
+
+# A subclassed model's call and each layer call's own graph are traced once: a plan walks
+# the same model for every strategy and mesh it estimates (a Llama-70B's 80 decoder blocks
+# were traced 11 times each, most of its 9-minute estimate). A model's trace is kept while
+# the model lives; a call's graph on the call's Keras node (a weak mapping would keep it
+# for ever: the graph holds the layers that hold the node).
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (Function, why)
+CALL_GRAPH = "_training_call_graph"  # the node's attribute
 
 
 class Graph(NamedTuple):
@@ -34,7 +43,9 @@ def untraceable(model) -> str | None:
 def _graph(model) -> tuple[Graph | None, str | None]:
     functional = keras_compat.functional_of(model)
     if functional is None:
-        functional, why = _traced(model)
+        if model not in _TRACED:
+            _TRACED[model] = _traced(model)
+        functional, why = _TRACED[model]
         if functional is None:
             return None, why
     by_depth = keras_compat.nodes_by_depth(functional)
@@ -82,6 +93,12 @@ def call_graph(layer, node) -> Graph | None:
     A call that builds a constant from its input's batch size (keras-hub's causal mask,
     broadcast to (batch, length, length)) cannot run on an unknown batch: it is run again on
     a batch of one, which changes no byte count (those are per example)."""
+    if not hasattr(node, CALL_GRAPH):
+        setattr(node, CALL_GRAPH, _call_traced(layer, node))
+    return getattr(node, CALL_GRAPH)
+
+
+def _call_traced(layer, node) -> Graph | None:
     import keras
 
     for batch in (None, 1):
