@@ -211,7 +211,7 @@ class Supervisor:
             if group is None:
                 raise
             return group
-        readied = request_hosts(shrunk.cfg.cluster, self.cfg.fault.startup_timeout_s)
+        readied = self._request_group_of(shrunk.cfg.cluster)
         try:
             room = self._room_for_a_replacement(readied, shrunk)
         except BaseException:
@@ -224,7 +224,7 @@ class Supervisor:
             group = self._placed_in_time(self.cfg.cluster)
             if group is not None:
                 return group
-            readied = self._request_group_of(shrunk)  # the room was taken meanwhile
+            readied = self._request_group_of(shrunk.cfg.cluster)  # the room was taken meanwhile
         self.log.line(
             "elastic: no replacement host placed within fault.replace_timeout_s="
             f"{self.cfg.fault.replace_timeout_s:g}s; going on with fewer hosts"
@@ -258,7 +258,7 @@ class Supervisor:
         """A group of `cluster`'s hosts that Ray placed within fault.replace_timeout_s; None
         (the group shut down) where it did not."""
         waiting = replace(cluster, placement_timeout_s=self.cfg.fault.replace_timeout_s)
-        group = request_hosts(waiting, self.cfg.fault.startup_timeout_s)
+        group = self._request_group_of(waiting)
         try:
             group.wait_placed(self._notify)
             return group
@@ -458,10 +458,10 @@ class Supervisor:
             self.next_group = self._request_group()
 
     def _request_group(self) -> HostGroup:
-        return self._request_group_of(Sized(self.cfg, self.checked))
+        return self._request_group_of(self.cfg.cluster)
 
-    def _request_group_of(self, sized: Sized) -> HostGroup:
-        return request_hosts(sized.cfg.cluster, self.cfg.fault.startup_timeout_s)
+    def _request_group_of(self, cluster) -> HostGroup:
+        return request_hosts(cluster, self.cfg.fault.startup_timeout_s)
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.checked.data_spec.fingerprint:
