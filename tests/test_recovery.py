@@ -485,10 +485,12 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     (reference,) = single_device_losses(CHECKPOINTED)
     np.testing.assert_allclose(summary["loss_history"], reference, rtol=1e-4)
     first_step = summary["phase_seconds"]["first_step"]
+    rounded = {k: round(v, 2) for k, v in phases.items()}
     print(
         f"\nelastic: going on {failure['recovery_seconds']:.2f} s after the loss was noticed "
         f"(replace_timeout_s 3 of it); the run's own time to first step {first_step:.2f} s; "
         f"ratio {failure['recovery_seconds'] / first_step:.2f}; shrunk at step "
-        f"{shrunk['step']}, grown back at step {grown['step']}"
+        f"{shrunk['step']}, grown back at step {grown['step']}; seconds after the loss was "
+        f"noticed: {rounded}"
     )
     assert_no_actor_left()

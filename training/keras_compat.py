@@ -180,15 +180,25 @@ def reset_layer_names() -> None:
 def variables_left_uninitialized():
     """Variables created inside and left uninitialized (a stateless scope that does not
     initialize them) stay so: out of Keras' list of variables that the next stateless
-    scope's exit initializes."""
+    scope's exit initializes. Yields a list that, on exit, holds them."""
     from keras.src.backend.common import global_state
 
     key = "uninitialized_variables"
     waiting = list(global_state.get_global_attribute(key, []))
+    left: list = []
     try:
-        yield
+        yield left
     finally:
+        known = {id(v) for v in waiting}
+        now = global_state.get_global_attribute(key, [])
+        left.extend(v for v in now if id(v) not in known)
         global_state.set_global_attribute(key, waiting)
+
+
+def initialize_deferred(variable) -> None:
+    """Give a variable left uninitialized its value from its own initializer, as Keras does
+    for the variables a stateless scope deferred when the scope ends."""
+    variable._deferred_initialize()
 
 
 @contextmanager

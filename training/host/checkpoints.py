@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from training.checkpoint.record import (
     FORMAT,
@@ -41,6 +41,7 @@ from training.checkpoint.views import (
 )
 from training.config import RunConfig, config_record
 from training.contracts import DataSpec
+from training.keras_compat import has_value, variable_sharding
 from training.recipe.early_stopping import better
 
 # Optimizer variables the config owns: a resume takes them from this run's config (an
@@ -105,15 +106,32 @@ def keyed_variables(model) -> dict[str, dict]:
     return keyed
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """The newest step every host sees in checkpoint.dir (None: none), which the hosts
+    agreed on (`agree_on_directory`)."""
+
+    step: int | None
+
+
 class HostCheckpoints:
     """This host's part in saving and restoring the model's and optimizer's variables; every
     host creates it and calls each method at the same step (orbax synchronises them).
 
     Creating it is collective (`agree_on_directory`): hosts agree on checkpoint.dir and its
-    newest step before anything is restored. `data_spec` is the spec of the data this host
-    reads (`dataset.spec`); without it the dataset is built again to read it."""
+    newest step before anything is restored; `agreed`: they agreed already (before building
+    the model, to know whether a checkpoint will give its variables their values). `data_spec`
+    is the spec of the data this host reads (`dataset.spec`); without it the dataset is built
+    again to read it. The model's variables may be left without values where a checkpoint
+    will be restored (`training.host.restore_target`)."""
 
-    def __init__(self, cfg: RunConfig, model, data_spec: DataSpec | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model,
+        data_spec: DataSpec | None = None,
+        agreed: Agreed | None = None,
+    ):
         self.cfg = cfg.checkpoint
         self.model = model
         self.accumulate = cfg.trainer.accumulate
@@ -125,7 +143,8 @@ class HostCheckpoints:
         # What `python -m training.export` needs to build the model again, without the data.
         self.model_source = {"run_config": config_record(cfg), "data_spec": asdict(data_spec)}
         self.variables = keyed_variables(model)
-        self.saved_step: int | None = agree_on_directory(self.cfg.dir)
+        agreed = agreed or Agreed(agree_on_directory(self.cfg.dir))
+        self.saved_step: int | None = agreed.step
         self.best: tuple[int, float] | None = None  # (step, keep_best) of this run's best
         self.manager = open_manager(self.cfg, read_only=False)
 
@@ -180,7 +199,7 @@ class HostCheckpoints:
         # variable whatever mesh wrote it.
         targets = {
             group: {
-                key: jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
+                key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=variable_sharding(v))
                 for key, v in variables.items()
             }
             for group, variables in saved.items()
@@ -222,7 +241,9 @@ class HostCheckpoints:
         host holds its share of the state once while restoring, not twice. (A failed
         restore fails the host, which a restart builds afresh.)"""
         for _, _, variable in self._replaced_by_restore(saved):
-            if not variable.value.is_deleted():  # one array, two variables
+            # Left without a value (`training.host.restore_target`), or one array that two
+            # variables hold.
+            if has_value(variable) and not variable.value.is_deleted():
                 variable.value.delete()
 
     def _replaced_by_restore(self, saved: dict[str, dict]):

@@ -12,7 +12,7 @@ from functools import partial
 
 import numpy as np
 
-from training.build import build_on_grid, count_parameters, describe_variables
+from training.build import count_parameters, describe_variables
 from training.checkpoint.export import export_model, writes_preset
 from training.checkpoint.hf_export import export_for_transformers
 from training.config import RunConfig, TrainerConfig
@@ -36,13 +36,14 @@ from training.events import (
     Send,
     StepLogged,
 )
-from training.host.checkpoints import HostCheckpoints
+from training.host.checkpoints import Agreed, HostCheckpoints, agree_on_directory
 from training.host.compile_cache import cache_outcome, use_cache
 from training.host.feed import HostFeed, distinct_examples
 from training.host.loop import CompiledStep
 from training.host.phases import Phase
 from training.host.preemption import Preemption
 from training.host.profile import StepProfile
+from training.host.restore_target import build_to_restore, initialize_unrestored
 from training.parallel.mesh import (
     MeshShape,
     device_grid,
@@ -78,14 +79,19 @@ def train(
     phase.set(BUILDING)
     use_cache(cfg.trainer.compile_cache_dir)
     grid = device_grid(jax.devices(), mesh)
+    # Agreed first: a model a checkpoint will fill is built without its initializers.
+    agreed = Agreed(agree_on_directory(cfg.checkpoint.dir)) if cfg.checkpoint.enabled else None
     with out_of_memory_explained("while the model was built"):
-        model, dataset = build_on_grid(cfg, grid)
+        model, dataset, deferred = build_to_restore(
+            cfg, grid, restoring=agreed is not None and agreed.step is not None
+        )
     checkpoints, start = None, 0
-    if cfg.checkpoint.enabled:
+    if agreed is not None:
         phase.set(RESTORING)
-        checkpoints = HostCheckpoints(cfg, model, dataset.spec)
+        checkpoints = HostCheckpoints(cfg, model, dataset.spec, agreed)
         with out_of_memory_explained("while the checkpoint was restored"):
             start = checkpoints.restore_newest()
+    initialize_unrestored(deferred)
 
     process = jax.process_index()
     feed = HostFeed(dataset, cfg.trainer, host_batch_rows(grid, process, cfg.trainer.micro_batch))

@@ -38,19 +38,22 @@ def without_weights():
 
     Those two are patches of Keras classes (`keras_compat`), for the whole process while
     inside: one abstract build at a time (a lock), and no other thread may build Keras objects
-    meanwhile (the driver builds in its main thread)."""
+    meanwhile (the driver builds in its main thread).
+
+    Yields a list that, on exit, holds the variables left without values
+    (`training.host.restore_target` gives those a restore did not fill their values)."""
     import keras
 
     with _ONE_AT_A_TIME:
         abstract = _ABSTRACT.set(True)
         try:
             with (
-                keras_compat.variables_left_uninitialized(),
+                keras_compat.variables_left_uninitialized() as left,
                 keras_compat.values_made_abstract(),
                 keras_compat.loading_shapes_only(),
                 keras.StatelessScope(initialize_variables=False),
             ):
-                yield
+                yield left
         finally:
             _ABSTRACT.reset(abstract)
 
