@@ -10,11 +10,11 @@
 - libtpu, where no trainable weight is split over `data` and there is no model axis (data
   parallel): its AllReduceCombiner joins the gradients' all-reduces into groups of at most
   `TPU_ALL_REDUCE_COMBINE_BYTES`, each reduced in place and consumed by the optimizer's
-  update, so that one group is alive at a time, once (`largest_all_reduce_group`). Read from
-  its memory-usage report (`--xla_dump_to`) for the MLP of `scripts/bench/plan_memory.py` on
-  4 v5e chips: one 64 MiB temporary (a kernel's gradient) shared by all four kernels'
-  gradients, each reduced alone; for the transformer there, all 99 MiB of gradients in one
-  all-reduce, alive together.
+  update; the estimate counts the largest group, once (`largest_all_reduce_group`). Read
+  from its memory-usage report (`--xla_dump_to`) and HLO for the models of
+  `scripts/bench/plan_memory.py` on 4 v5e chips: the MLP's four 64 MiB kernel gradients each
+  reduced alone, in one 64 MiB temporary they share; the transformer's 99 MiB of gradients
+  in one all-reduce, alive together; the Llama's 130 MiB in two (16 and 114 MiB).
 - XLA:CPU (and XLA:GPU, not measured here) makes every gradient of a weight split over
   `data` whole and all-reduces them together before slicing, and the gathered weights
   (`training.parallel.fsdp.gather_for_use`) keep them so on every backend with a model
@@ -45,7 +45,7 @@ TPU_ALL_REDUCE_COMBINE_BYTES = 120 * 2**20
 
 def all_reduced_in_groups(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
     """Whether the run's compiled step all-reduces the gradients over `data` in libtpu's
-    combined groups, one group alive at a time: on TPU, data parallel (no model axis, no
+    combined groups, each consumed by the update: on TPU, data parallel (no model axis, no
     trainable weight split over `data`)."""
     return (
         platform == "tpu"
