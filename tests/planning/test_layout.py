@@ -80,9 +80,26 @@ TWO_AXES = {
         + ["strategy=hybrid", "mesh.data=8", "mesh.model=1", "model.kwargs.hidden_dim=128"],
         "transformer_layer_0/self_attention/query/kernel",
         8,
-        "fsdp places them instead: transformer_layer_0/self_attention/query/kernel [128, 4, 32]",
+        "fsdp lays them out as [model, null, data]",
     ),
 }
+
+
+def test_the_warning_for_a_models_indivisible_data_is_one_readable_line():
+    """keras-hub's rules put `data` on the heads of every query, key and value kernel: one
+    line gives their count, the rule, two of them and what fsdp made of them, not every one
+    (the Llama-7B shape on 64 × 4 listed all 96)."""
+    cfg = run_config(
+        ["cluster.hosts=2", "cluster.devices_per_host=4", "strategy.fsdp=true"]
+        + TWO_AXES["llama-heads-give-way"][0]
+        + ["model.kwargs.num_layers=4"]
+    )
+    (warned,) = [w for w in preflight(cfg).warnings if "does not divide" in w]
+    assert "splits 12 weight(s) over the data axis" in warned
+    assert "(query|key|value)" in warned and "[model, data, null] on 12 (" in warned
+    assert "transformer_layer_0/self_attention/query/kernel [128, 4, 32]" in warned
+    assert "and 10 more): fsdp lays them out as [model, null, data]" in warned
+    assert "transformer_layer_3" not in warned and "\n" not in warned
 
 
 @pytest.mark.parametrize("case", TWO_AXES)

@@ -13,6 +13,7 @@ from training.models.layout import (
     SPLIT_THRESHOLD_BYTES,
     axis_names,
     layout_rules,
+    matching_rule,
     rule_axes,
     split_size,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "check_labels_fit",
     "dtype_policy",
     "layout_rules",
+    "matching_rule",
     "rule_axes",
     "axis_names",
     "split_size",

@@ -20,7 +20,15 @@ SPLIT_THRESHOLD_BYTES = 16 * 1024
 def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
     """The mesh axis (or None) per dimension of the first rule that full-matches `path`;
     () where none does (the variable or activation stays whole)."""
-    return next((tuple(axes) for pattern, axes in rules.items() if _matches(pattern, path)), ())
+    return matching_rule(path, rules)[1]
+
+
+def matching_rule(path: str, rules: LayoutRules) -> tuple[str, tuple[str | None, ...]]:
+    """The first rule that full-matches `path`: its pattern and axes; ("", ()) where none does."""
+    return next(
+        ((pattern, tuple(axes)) for pattern, axes in rules.items() if _matches(pattern, path)),
+        ("", ()),
+    )
 
 
 @functools.cache

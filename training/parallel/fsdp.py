@@ -35,11 +35,13 @@ whole gradients either way (the transformer 11 MB against 26 MB, the Llama 22 MB
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
-from training.models import SPLIT_THRESHOLD_BYTES, axis_names, rule_axes
+from training.models import SPLIT_THRESHOLD_BYTES, axis_names, matching_rule, rule_axes
 from training.parallel.dtypes import array_bytes
 
 DATA_AXIS = "data"
@@ -90,15 +92,27 @@ def _with_data_axis(variable: VariableInfo, axes: tuple, data: int, model: int) 
     return axes
 
 
+@dataclass(frozen=True)
+class Overridden:
+    """A weight whose model rule (`pattern`, `axes`) put `data` on a dimension the data axis
+    does not divide."""
+
+    path: str
+    shape: tuple[int, ...]
+    pattern: str
+    axes: tuple
+
+
 def yield_indivisible_data(
     rules: LayoutRules, variables: Iterable[VariableInfo], data: int
-) -> tuple[LayoutRules, list[str]]:
+) -> tuple[LayoutRules, list[Overridden]]:
     """A model's own rules with `data` taken off each dimension the data axis does not divide
     (keras-hub's put it on the heads), for fsdp to place instead: one rule per variable
-    where any is, with a warning naming them; `rules` as they were where none is."""
-    changed, per_variable = [], {}
+    where any is, and the weights so overridden (`overridden_warning` says what fsdp made of
+    them); `rules` as they were where none is."""
+    overridden, per_variable = [], {}
     for variable in variables:
-        axes = rule_axes(variable.path, rules)
+        pattern, axes = matching_rule(variable.path, rules)
         kept = tuple(
             None if axis == DATA_AXIS and size % data else axis
             for size, axis in zip(variable.shape, axes, strict=False)
@@ -106,14 +120,51 @@ def yield_indivisible_data(
         if axes:
             per_variable[re.escape(variable.path)] = kept
         if kept != tuple(axes):
-            changed.append(f"{variable.path} {list(variable.shape)} {list(axes)}")
-    if not changed:
+            overridden.append(Overridden(variable.path, tuple(variable.shape), pattern, axes))
+    if not overridden:
         return rules, []
     activations = {p: a for p, a in rules.items() if p.endswith(ACTIVATION_RULE_SUFFIX)}
-    return {**per_variable, **activations}, [
-        f"the model's layout splits {len(changed)} weight(s) over the data axis on a dimension "
-        f"mesh.data={data} does not divide; fsdp places them instead: {', '.join(changed)}"
+    return {**per_variable, **activations}, overridden
+
+
+def overridden_warning(overridden: list[Overridden], rules: LayoutRules, data: int) -> list[str]:
+    """One line for the weights fsdp placed where a model rule put `data` on a dimension
+    mesh.data=`data` does not divide: per rule, how many, the first two, and how `rules`
+    (fsdp's, one per variable) lay them out instead; none where there are none."""
+    if not overridden:
+        return []
+    by_rule: dict[tuple, list[Overridden]] = {}
+    for weight in overridden:
+        by_rule.setdefault((weight.pattern, weight.axes), []).append(weight)
+    parts = []
+    for (pattern, axes), weights in by_rule.items():
+        placed = Counter(
+            _listed(rule_axes(w.path, rules) or (None,) * len(w.shape)) for w in weights
+        )
+        named = ", ".join(f"{w.path} {list(w.shape)}" for w in weights[:2])
+        more = f" and {len(weights) - 2} more" * (len(weights) > 2)
+        instead = ", ".join(
+            layout + f" ({count})" * (len(placed) > 1) for layout, count in placed.items()
+        )
+        parts.append(
+            f"rule '{pattern}' {_listed(axes)} on {len(weights)} ({named}{more}): "
+            f"fsdp lays them out as {instead}"
+        )
+    return [
+        f"the model's layout splits {len(overridden)} weight(s) over the data axis on a "
+        f"dimension mesh.data={data} does not divide; " + "; ".join(parts)
     ]
+
+
+def _listed(axes) -> str:
+    """A rule's axes as the layout rules are written: [model, data, null]."""
+
+    def one(axis) -> str:
+        if isinstance(axis, tuple | list):
+            return "[" + ", ".join(axis) + "]"
+        return "null" if axis is None else axis
+
+    return "[" + ", ".join(one(a) for a in axes) + "]"
 
 
 def gathers_left_to_the_compiler(platform: str, model_axis: int) -> bool:

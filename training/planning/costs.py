@@ -25,7 +25,12 @@ from training.parallel.strategy import Strategy
 from training.planning.abstract import ModelKey, abstract_keras_model
 from training.planning.activations import Activations, activation_bytes
 from training.planning.collectives import Collective, gathered_weight, sent_bytes
-from training.planning.gradient_liveness import ShardedGradients, reduce_scattered_as_made
+from training.planning.gradient_liveness import (
+    ShardedGradients,
+    all_reduced_in_groups,
+    largest_all_reduce_group,
+    reduce_scattered_as_made,
+)
 from training.planning.layer_graph import untraceable
 from training.planning.layout import resolve_layout
 from training.planning.tensor_parallel import model_axis_collectives
@@ -228,7 +233,11 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
     value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
     activations = activation_bytes(model.keras_model, rules, mesh.model, rows, value_bytes)
     gradients = gradient_sizes(model, rules, mesh)
-    all_made = made_gradient_bytes(gradients, mesh)
+    all_made = (
+        largest_all_reduce_group(gradients.values())
+        if all_reduced_in_groups(cfg.cluster.platform, mesh, rules, model.trainable)
+        else made_gradient_bytes(gradients, mesh)
+    )
     if reduce_scattered_as_made(cfg.cluster.platform, mesh, rules, model.trainable):
         live_activations, live_gradients = _sharded_peak(
             activations, ShardedGradients(gradient_shards(model, rules, mesh), gradients)
@@ -312,7 +321,8 @@ def gradient_shards(model: AbstractModel, rules: LayoutRules, mesh: MeshShape) -
 
 def made_gradient_bytes(gradients: dict[str, int], mesh: MeshShape) -> int:
     """Over a data axis the gradients are all made before they are reduced, and the
-    reduction writes a second copy; without one, each is consumed by the optimizer's update
+    reduction writes a second copy (XLA:CPU; libtpu's data parallel step holds fewer:
+    `largest_all_reduce_group`); without one, each is consumed by the optimizer's update
     as it is made (the largest)."""
     return 2 * sum(gradients.values()) if mesh.data > 1 else max(gradients.values(), default=0)
 

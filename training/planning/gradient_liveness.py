@@ -7,6 +7,14 @@
   gradients, counted for the largest layer (its weights' paths but the last part). Read from
   libtpu's compiled steps for v5e slices of 4 to 256 chips
   (`tests/planning/test_compile_target.py`, README "Plan before launching").
+- libtpu, where no trainable weight is split over `data` and there is no model axis (data
+  parallel): its AllReduceCombiner joins the gradients' all-reduces into groups of at most
+  `TPU_ALL_REDUCE_COMBINE_BYTES`, each reduced in place and consumed by the optimizer's
+  update; the estimate counts the largest group, once (`largest_all_reduce_group`). Read
+  from its memory-usage report (`--xla_dump_to`) and HLO for the models of
+  `scripts/bench/plan_memory.py` on 4 v5e chips: the MLP's four 64 MiB kernel gradients each
+  reduced alone, in one 64 MiB temporary they share; the transformer's 99 MiB of gradients
+  in one all-reduce, alive together; the Llama's 130 MiB in two (16 and 114 MiB).
 - XLA:CPU (and XLA:GPU, not measured here) makes every gradient of a weight split over
   `data` whole and all-reduces them together before slicing, and the gathered weights
   (`training.parallel.fsdp.gather_for_use`) keep them so on every backend with a model
@@ -16,6 +24,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from training.contracts import LayoutRules
@@ -27,6 +36,40 @@ from training.parallel.mesh import MeshShape
 def splits_over_data(rules: LayoutRules, trainable) -> bool:
     """Whether the layout splits any trainable weight over `data` (fsdp, keras-hub's rules)."""
     return any("data" in axis_names(rule_axes(path, rules)) for path in trainable)
+
+
+# libtpu's (0.0.42.1) AllReduceCombiner joins all-reduces up to this size (its log, with
+# LIBTPU_INIT_ARGS=--vmodule=all_reduce_combiner=3: "threshold of 125829120 bytes").
+TPU_ALL_REDUCE_COMBINE_BYTES = 120 * 2**20
+
+
+def all_reduced_in_groups(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
+    """Whether the run's compiled step all-reduces the gradients over `data` in libtpu's
+    combined groups, each consumed by the update: on TPU, data parallel (no model axis, no
+    trainable weight split over `data`)."""
+    return (
+        platform == "tpu"
+        and mesh.data > 1
+        and mesh.model == 1
+        and not splits_over_data(rules, trainable)
+    )
+
+
+def largest_all_reduce_group(gradients: Iterable[int]) -> int:
+    """The largest group libtpu's combiner makes of these gradients' all-reduces (bytes per
+    device, in the step's order): each joins the first group it fits under
+    `TPU_ALL_REDUCE_COMBINE_BYTES`, else starts one, as its log shows it place them."""
+    groups: list[int] = []
+    for size in gradients:
+        fits = next(
+            (i for i, total in enumerate(groups) if total + size <= TPU_ALL_REDUCE_COMBINE_BYTES),
+            None,
+        )
+        if fits is None:
+            groups.append(size)
+        else:
+            groups[fits] += size
+    return max(groups, default=0)
 
 
 def reduce_scattered_as_made(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:

@@ -16,7 +16,7 @@ from training import models
 from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
 from training.models import axis_names, split_size
-from training.parallel.fsdp import shard_over_data, yield_indivisible_data
+from training.parallel.fsdp import overridden_warning, shard_over_data, yield_indivisible_data
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Rules, Strategy
 from training.planning import auto_layout
@@ -47,7 +47,7 @@ def resolve_layout(strategy: Strategy, mesh: MeshShape, model: ModelKey) -> Layo
         return Layout(())
     keras_model = abstract_keras_model(model)
     variables = [models.variable_info(v) for v in keras_model.variables]
-    derived, warnings = None, []
+    derived, overridden = None, []
     if strategy.rules is Rules.DERIVED:
         derived = _derived(model, mesh.model, strategy.user_rules)
         rules = derived.rules
@@ -55,12 +55,13 @@ def resolve_layout(strategy: Strategy, mesh: MeshShape, model: ModelKey) -> Layo
         paths = [v.path for v in variables]
         rules = strategy.given_rules(model.model_config, mesh.as_tuple(), variables=paths)
         if strategy.shards_over_data:
-            rules, warnings = yield_indivisible_data(rules, variables, mesh.data)
+            rules, overridden = yield_indivisible_data(rules, variables, mesh.data)
         check_layout_rules(rules, variables, mesh)
     rules = {**rules, **output_rules(keras_model, rules, mesh.model)}
+    warnings = []
     if strategy.shards_over_data:
         rules, left_whole = shard_over_data(rules, variables, mesh.data, mesh.model)
-        warnings += left_whole
+        warnings = overridden_warning(overridden, rules, mesh.data) + left_whole
     pairs = tuple((pattern, tuple(axes)) for pattern, axes in rules.items())
     return Layout(pairs, derived, tuple(warnings))
 
