@@ -27,6 +27,10 @@ use_emulator_credentials()
 # instances and CLI processes the tests start inherit it.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="training-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# Ray's own directory per pytest-xdist worker: a run finds the local instance to join by the
+# address file there, and must find its own worker's, not another worker's.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = f"/tmp/ray-tests-{os.getpid()}-{worker}"
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
