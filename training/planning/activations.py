@@ -177,8 +177,8 @@ class _Tally:
     def add(self, record) -> None:
         match record:
             case Entered():
-                self._enter_attention(record.node)
                 self._enter(record.node.operation, record.inputs)
+                self._enter_attention(record.node)
             case Left():
                 self._leave(record.node, record.outputs)
             case Contraction():
