@@ -31,6 +31,11 @@ WIDE_KERNELS = ["model=mlp", "model.kwargs.d_model=2048", "model.kwargs.hidden=8
 # The fsdp estimate's window (a whole kernel and its gradient) is more than libtpu holds,
 # which gathers the batch rather than the kernel at this size.
 BROAD = [*WIDE_KERNELS, "strategy=fsdp"]
+# The built-in transformer (one head of 128, d_model 128) on 2,048 tokens a chip: 16 rows
+# of 128 or 4 rows of 512. attention=auto: splash on a TPU.
+SHORT_ROWS = ["model.seq_len=128", "trainer.global_batch=64"]
+LONG_ROWS = ["model.seq_len=512", "trainer.global_batch=16"]
+ATTENTION = ["model=transformer", "data=text", "strategy=data_parallel"]
 
 
 def slice_config(overrides: list[str]):
@@ -83,6 +88,24 @@ def test_the_data_parallel_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_r
     (counting every gradient twice, as XLA:CPU's step holds them, it was 1.43 ×)."""
     plan = slice_plan((*WIDE_KERNELS, "strategy=data_parallel"))
     assert plan.configured.memory_bytes == pytest.approx(plan.compiled.memory.needed, rel=0.1)
+
+
+def test_the_estimate_for_a_tpu_slice_counts_no_attention_scores_where_splash_runs():
+    """libtpu's step runs the transformer's attention in splash attention, which never holds
+    the (T, S) scores nor their softmax, only its output and each query row's log-sum-exp:
+    with the tokens a chip holds fixed, rows 4 times longer cost the step 0.8 MB more (their
+    larger position table, its gradient and Adam slots), and the estimate as much (counting
+    the scores and their softmax in every layer, as XLA:CPU's einsum path holds them, it
+    added 13.4 MB)."""
+    short = slice_plan((*ATTENTION, *SHORT_ROWS))
+    long = slice_plan((*ATTENTION, *LONG_ROWS))
+    compiled = long.compiled.memory.needed - short.compiled.memory.needed
+    estimated = long.configured.memory_bytes - short.configured.memory_bytes
+    assert abs(estimated - compiled) < 0.1 * short.compiled.memory.needed, (
+        estimated,
+        compiled,
+        short.compiled.memory.needed,
+    )
 
 
 @pytest.mark.slow

@@ -390,7 +390,7 @@ def test_a_tied_embeddings_gradient_is_live_from_the_output_head_under_remat():
     cfg = run_config([*TRANSFORMER, "model.kwargs.tie_embeddings=true", "trainer.remat=full"])
     model = abstract_model(cfg, build_dataset(cfg.data).spec)
     rules = resolve_layout(Strategy.of(cfg.strategy), MeshShape(8, 1), model.key).rules
-    segments = activation_bytes(model.keras_model, rules, 1, 2, 4).segments
+    segments = activation_bytes(model.keras_model, rules, 1, 2, 4, "cpu").segments
     using = [i for i, s in enumerate(segments) if s.weights]
     tied = [i for i, s in enumerate(segments) if "token_embedding/embeddings" in s.weights]
     assert tied == [using[-1]]

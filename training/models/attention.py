@@ -138,12 +138,9 @@ def causal_attention(query, key, value, implementation: str = "auto", segments=N
     (packed documents, padding)."""
     _, seq, _, head_dim = query.shape
     on = platform()
-    choice = choose(implementation, on, str(query.dtype), seq, head_dim)
-    if choice.kernel == "cudnn" and segments is not None:
-        why = "cuDNN's kernel takes padding as lengths, not packed documents' segment ids"
-        if implementation == "fused":
-            raise ValueError(f"attention=fused: {why}")
-        choice = Choice("einsum", why)
+    choice = causal_choice(
+        implementation, on, str(query.dtype), seq, head_dim, segments is not None
+    )
     if choice.kernel == "einsum":
         if implementation == "auto" and on != "cpu":
             warnings.warn(f"attention runs the einsum path: {choice.reason}", stacklevel=2)
@@ -151,6 +148,20 @@ def causal_attention(query, key, value, implementation: str = "auto", segments=N
     # The transformer's segments are its packed documents.
     logits = Logits(head_dim**-0.5)
     return fused_attention(choice, query, key, value, logits, segments, packed=segments is not None)
+
+
+def causal_choice(
+    implementation: str, platform: str, dtype: str, seq: int, head_dim: int, segmented: bool
+) -> Choice:
+    """The kernel `causal_attention` runs on `platform` (`choose`'s), for `segmented` rows too
+    (segment ids given)."""
+    choice = choose(implementation, platform, dtype, seq, head_dim)
+    if choice.kernel == "cudnn" and segmented:
+        why = "cuDNN's kernel takes padding as lengths, not packed documents' segment ids"
+        if implementation == "fused":
+            raise ValueError(f"attention=fused: {why}")
+        return Choice("einsum", why)
+    return choice
 
 
 def fused_attention(

@@ -26,7 +26,7 @@ import keras
 from keras import ops
 
 from training.contracts import LayoutRules
-from training.models.attention import causal_attention
+from training.models.attention import Choice, causal_attention, causal_choice
 
 RULES: LayoutRules = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
@@ -150,6 +150,13 @@ class CausalSelfAttention(keras.layers.Layer):
             name="attention_output",
         )
         self.attention_output.build((*input_shape[:-1], self.heads, self.head_dim))
+
+    def kernel_on(self, platform: str, seq: int, segmented: bool) -> Choice:
+        """The attention kernel `call` runs on `platform`'s devices for rows of `seq`,
+        `segmented` (given segments) or not."""
+        return causal_choice(
+            self.attention, platform, self.compute_dtype, seq, self.head_dim, segmented
+        )
 
     def call(self, x, segments=None):
         """`segments` (batch, seq), where given: no query sees another segment's keys."""

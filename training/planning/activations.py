@@ -36,7 +36,13 @@ split over the model axis):
   between its whole query, key and value projections and the output projection its rules
   split by heads (read from XLA:CPU's peak breakdown of the tiny Llama under hybrid 2 × 4);
 - an operation that returns its input (a cast to its own dtype, dropout at rate 0) makes
-  nothing.
+  nothing;
+- where the run's attention runs in splash attention (a TPU; the kernel the layer's own
+  `kernel_on` picks there), the (T, S) scores and their softmax are never whole: the kernel
+  makes them tile by tile. What it keeps for its backward pass is its output and each query
+  row's log-sum-exp, in float32 on each of its sublanes (read from libtpu's buffers of the
+  built-in transformer's step: `f32[8, 8, 8, 256]` a layer for 8 examples of 8 heads of 256
+  positions, beside the query, key, value and output, and no `[8, 8, 256, 256]`).
 
 A model without a graph to follow keeps each top-level layer's output.
 """
@@ -49,6 +55,8 @@ from itertools import accumulate
 
 from training import keras_compat
 from training.models.remat import keeps_projections
+from training.models.transformer import CausalSelfAttention
+from training.parallel.dtypes import dtype_bytes
 from training.planning import layer_graph
 from training.planning.tensor_parallel import (
     Contraction,
@@ -62,6 +70,7 @@ from training.planning.tensor_parallel import (
 )
 
 BACKWARD_WORKSPACE = 2  # gradients of the largest kept tensor's size live at once
+LOG_SUM_EXP_BYTES = 4  # splash attention's per query row (float32)
 
 
 @dataclass
@@ -111,15 +120,16 @@ class Activations:
 
 
 def activation_bytes(
-    model, rules: Rules, mesh_model: int, examples: int, value_bytes: int
+    model, rules: Rules, mesh_model: int, examples: int, value_bytes: int, platform: str
 ) -> Activations:
-    """Per device, for `examples` rows (a data shard's), activations of `value_bytes`."""
+    """Per device, for `examples` rows (a data shard's), activations of `value_bytes`, on
+    the run's `platform` (cluster.platform: where its attention runs in a fused kernel)."""
     graph = layer_graph.graph(model)
     if graph is None:
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
     walk = Derivation(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    tally = _Tally(mesh_model)
+    tally = _Tally(mesh_model, platform)
     for record in walk.records:
         tally.add(record)
     tally.settle_remat_outputs()
@@ -143,8 +153,10 @@ class _Tally:
     """The walk's records, in order, summed per segment into the bytes of the tensors the
     backward pass keeps and recomputes on each of `n` devices."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, platform: str):
         self.n = n
+        self.platform = platform
+        self.splash_seq: int | None = None  # the sequence of the splash attention entered
         self.largest = 0.0
         # id of a tensor (the records hold it) -> the segment that made it, whether it is
         # recomputed there, its bytes per device as counted
@@ -152,8 +164,9 @@ class _Tally:
         self.copied: set[int] = set()  # whole inputs of partitioned contractions
         self.remat_layer: str | None = None  # the outermost rematerialised layer entered
         self.remat_keeps_projections = False  # that layer's (trainer.remat=dots)
-        self.entered: list[tuple[str | None, bool]] = []  # per node open: the remat_layer
-        # it was entered in, and whether it is the one entering a rematerialised layer
+        # per node open: the remat_layer it was entered in, whether it is the one entering
+        # a rematerialised layer, and the splash_seq it was entered in
+        self.entered: list[tuple[str | None, bool, int | None]] = []
         self.segments = [Segment()]
         self.last_used: dict[str, Segment] = {}  # weight path -> the segment that used it last
         self.made_inside: dict[int, Value] = {}  # id of a layer's output -> what made it
@@ -165,6 +178,7 @@ class _Tally:
         match record:
             case Entered():
                 self._enter(record.node.operation, record.inputs)
+                self._enter_attention(record.node)
             case Left():
                 self._leave(record.node, record.outputs)
             case Contraction():
@@ -177,7 +191,7 @@ class _Tally:
     def _enter(self, layer, inputs: tuple[Value, ...]) -> None:
         outer = self.remat_layer
         entered = outer is None and keras_compat.is_rematerialised(layer)
-        self.entered.append((outer, entered))
+        self.entered.append((outer, entered, self.splash_seq))
         if entered:
             self.remat_layer = getattr(layer, "path", None) or layer.name
             self.remat_keeps_projections = keeps_projections(layer)
@@ -195,8 +209,20 @@ class _Tally:
                         self._record(self._made(value), recomputed=False)
                     self._reclassify(self._made(value), recomputed=False)
 
+    def _enter_attention(self, node) -> None:
+        """An attention layer whose attention runs in splash attention on the platform: its
+        scores are not kept (`_count`) until it is left."""
+        layer = node.operation
+        if not isinstance(layer, CausalSelfAttention):
+            return
+        seq = node.input_tensors[0].shape[1]
+        choice = layer.kernel_on(self.platform, seq, segmented=len(node.input_tensors) > 1)
+        if choice.kernel == "splash" and not choice.interpret:
+            self.splash_seq = seq
+
     def _leave(self, node, outputs: tuple[Value, ...]) -> None:
-        outer, entered = self.entered.pop()
+        outer, entered, outer_splash = self.entered.pop()
+        self.splash_seq = outer_splash
         self._count(node, outputs)
         if entered:
             made = [self._made(value) for value in outputs]
@@ -241,6 +267,12 @@ class _Tally:
             return
         producer = node.operation
         keeps = _keeps_output(producer)
+        if self.splash_seq is not None:
+            if any(self._scores(t) for t in node.outputs):
+                return  # splash makes them tile by tile
+            if any(self._scores(t) for t in node.input_tensors):
+                for value in outputs:  # splash's output, whose rows' log-sum-exp it keeps
+                    self._add(self._log_sum_exp_bytes(value), self._recomputed(producer))
         for value in outputs:
             # what no gradient flows through (a mask made from the token ids) fuses into
             # its readers
@@ -252,14 +284,31 @@ class _Tally:
         """Count the tensor once, in the segment that makes it."""
         if id(value.tensor) in self.counted:
             return
-        segment = self.segments[-1]
         size = self._device_bytes(value)
-        self.counted[id(value.tensor)] = (segment, recomputed, size)
+        self.counted[id(value.tensor)] = (self.segments[-1], recomputed, size)
+        self._add(size, recomputed)
+
+    def _add(self, size: float, recomputed: bool) -> None:
+        segment = self.segments[-1]
         self.largest = max(self.largest, size)
         if recomputed:
             segment.recomputed += size
         else:
             segment.kept += size
+
+    def _scores(self, tensor) -> bool:
+        """Attention's (..., T, S) scores, or what is made of them, in the splash attention
+        entered."""
+        return len(tensor.shape) == 4 and tuple(tensor.shape[-2:]) == (self.splash_seq,) * 2
+
+    def _log_sum_exp_bytes(self, output: Value) -> float:
+        """What splash attention keeps beside its (batch, seq, heads, head_dim) `output`: a
+        float32 per query row and head on each of its sublanes."""
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+
+        head_dim = output.tensor.shape[-1]
+        rows = self._device_bytes(output) / (head_dim * dtype_bytes(output.tensor.dtype))
+        return rows * splash_attention_kernel.NUM_SUBLANES * LOG_SUM_EXP_BYTES
 
     def _reclassify(self, value: Value, recomputed: bool) -> None:
         """A counted tensor, kept or made again in the segment that made it, as a later

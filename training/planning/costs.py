@@ -231,7 +231,9 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
         return array_bytes(variable.shape, variable.dtype) // split_ways(layout_path, rules, mesh)
 
     value_bytes = dtype_bytes(cfg.trainer.precision)  # the activations' dtype
-    activations = activation_bytes(model.keras_model, rules, mesh.model, rows, value_bytes)
+    activations = activation_bytes(
+        model.keras_model, rules, mesh.model, rows, value_bytes, cfg.cluster.platform
+    )
     gradients = gradient_sizes(model, rules, mesh)
     all_made = (
         largest_all_reduce_group(gradients.values())
