@@ -30,7 +30,8 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 # Ray's own directory per pytest-xdist worker: a run finds the local instance to join by the
 # address file there, and must find its own worker's, not another worker's.
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["RAY_TMPDIR"] = f"/tmp/ray-tests-{os.getpid()}-{worker}"
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{worker}-", dir="/tmp")
+    atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], ignore_errors=True)
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
