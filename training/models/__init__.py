@@ -16,6 +16,7 @@ from training.models.layout import (
     matching_rule,
     rule_axes,
     split_size,
+    written_axes,
 )
 from training.models.loss import build_loss
 from training.models.symbolic import symbolic_batch
@@ -32,6 +33,7 @@ __all__ = [
     "rule_axes",
     "axis_names",
     "split_size",
+    "written_axes",
     "symbolic_batch",
     "variable_info",
     "without_weights",

@@ -31,6 +31,17 @@ def matching_rule(path: str, rules: LayoutRules) -> tuple[str, tuple[str | None,
     )
 
 
+def written_axes(axes) -> str:
+    """A rule's axes as the layout rules are written: [model, data, null], [[model, data]]."""
+
+    def one(axis) -> str:
+        if isinstance(axis, tuple | list):
+            return "[" + ", ".join(axis) + "]"
+        return "null" if axis is None else axis
+
+    return "[" + ", ".join(one(a) for a in axes) + "]"
+
+
 @functools.cache
 def _matches(pattern: str, path: str) -> bool:
     # fsdp writes a rule per variable: a large model's hundreds of patterns overflow re's own

@@ -41,7 +41,13 @@ from dataclasses import dataclass
 
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
-from training.models import SPLIT_THRESHOLD_BYTES, axis_names, matching_rule, rule_axes
+from training.models import (
+    SPLIT_THRESHOLD_BYTES,
+    axis_names,
+    matching_rule,
+    rule_axes,
+    written_axes,
+)
 from training.parallel.dtypes import array_bytes
 
 DATA_AXIS = "data"
@@ -139,7 +145,7 @@ def overridden_warning(overridden: list[Overridden], rules: LayoutRules, data: i
     parts = []
     for (pattern, axes), weights in by_rule.items():
         placed = Counter(
-            _listed(rule_axes(w.path, rules) or (None,) * len(w.shape)) for w in weights
+            written_axes(rule_axes(w.path, rules) or (None,) * len(w.shape)) for w in weights
         )
         named = ", ".join(f"{w.path} {list(w.shape)}" for w in weights[:2])
         more = f" and {len(weights) - 2} more" * (len(weights) > 2)
@@ -147,24 +153,13 @@ def overridden_warning(overridden: list[Overridden], rules: LayoutRules, data: i
             layout + f" ({count})" * (len(placed) > 1) for layout, count in placed.items()
         )
         parts.append(
-            f"rule '{pattern}' {_listed(axes)} on {len(weights)} ({named}{more}): "
+            f"rule '{pattern}' {written_axes(axes)} on {len(weights)} ({named}{more}): "
             f"fsdp lays them out as {instead}"
         )
     return [
         f"the model's layout splits {len(overridden)} weight(s) over the data axis on a "
         f"dimension mesh.data={data} does not divide; " + "; ".join(parts)
     ]
-
-
-def _listed(axes) -> str:
-    """A rule's axes as the layout rules are written: [model, data, null]."""
-
-    def one(axis) -> str:
-        if isinstance(axis, tuple | list):
-            return "[" + ", ".join(axis) + "]"
-        return "null" if axis is None else axis
-
-    return "[" + ", ".join(one(a) for a in axes) + "]"
 
 
 def gathers_left_to_the_compiler(platform: str, model_axis: int) -> bool:

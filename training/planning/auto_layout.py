@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
-from training.models import SPLIT_THRESHOLD_BYTES, rule_axes
+from training.models import SPLIT_THRESHOLD_BYTES, rule_axes, written_axes
 from training.planning import layer_graph
 from training.planning.tensor_parallel import Derivation
 
@@ -56,7 +56,7 @@ class AutoLayout:
             "derived from the model's structure (rule: axes per dimension  # why):"
         ]
         for pattern, axes in self.rules.items():
-            rule = f"{pattern}:".ljust(width) + f"[{', '.join(a or 'null' for a in axes)}]"
+            rule = f"{pattern}:".ljust(width) + written_axes(axes)
             lines.append(f"  {rule}  # {self.reasons.get(pattern, 'strategy.layout_rules')}")
         lines += [f"  whole on every device: {what}" for what in self.whole]
         lines.append("to edit them: strategy.layout=model model.layout='' " + self.as_override())
@@ -65,8 +65,7 @@ class AutoLayout:
     def as_override(self) -> str:
         """The rules as one command-line override (quoted for a POSIX shell)."""
         items = ", ".join(
-            f"{pattern}: [{', '.join(a or 'null' for a in axes)}]"
-            for pattern, axes in self.rules.items()
+            f"{pattern}: {written_axes(axes)}" for pattern, axes in self.rules.items()
         )
         return f"'model.layout_rules={{{items}}}'"
 
