@@ -5,7 +5,7 @@ KubeRay autoscaler reads them. No Ray instance is started."""
 
 import copy
 import functools
-import os
+import gzip
 import re
 import shlex
 from importlib.metadata import version
@@ -26,14 +26,11 @@ from training.config import ConfigError
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((REPO / "cluster" / "kuberay").glob("*.yaml"))
 # The KubeRay release whose CRDs the manifests are checked against (its `authOptions`, token
-# authentication, needs 1.5 or later), and where those CRDs are, as the KubeRay repository has
-# them at that tag (ray-operator/config/crd/bases/): in the shared/ folder beside the
-# repository, or where KUBERAY_CRD_DIR says. No package registry ships them.
+# authentication, needs 1.5 or later), and its CRDs as the KubeRay repository has them at that
+# tag, vendored (kuberay_crds/SOURCE.md says from where): no package registry ships them.
 KUBERAY_RELEASE = "v1.7.0"
-CRD_DIR = Path(
-    os.environ.get("KUBERAY_CRD_DIR", REPO.parent / "shared" / "kuberay" / KUBERAY_RELEASE)
-)
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+CRD_DIR = Path(__file__).resolve().parent / "kuberay_crds" / KUBERAY_RELEASE
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml.gz", "RayJob": "ray.io_rayjobs.yaml.gz"}
 # The Kubernetes release whose pod schema the pod templates are checked against.
 KUBERNETES_VERSION = "1.33"
 
@@ -218,21 +215,11 @@ def refusing_unknown_fields(schema: dict) -> dict:
     return strict
 
 
-def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
-    path = CRD_DIR / CRD_FILES[kind]
-    if not path.exists():
-        pytest.skip(
-            f"KubeRay {KUBERAY_RELEASE}'s {CRD_FILES[kind]} is not in {CRD_DIR} (the "
-            "KubeRay repository's ray-operator/config/crd/bases/ at that tag; no package "
-            "registry ships it)"
-        )
-    return strict_crd_validator(path)
-
-
 @functools.cache
-def strict_crd_validator(path: Path) -> jsonschema.Draft202012Validator:
+def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
     """The validator of the CRD's served version (libyaml reads its megabyte in a second)."""
-    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
+    path = CRD_DIR / CRD_FILES[kind]
+    crd = yaml.load(gzip.decompress(path.read_bytes()), Loader=yaml.CSafeLoader)
     served = kuberay.API_VERSION.split("/")[1]
     (schema,) = (
         v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == served
