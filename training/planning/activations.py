@@ -53,12 +53,14 @@ split over the model axis):
   positions, beside the query, key, value and output, and no `[8, 8, 256, 256]`).
 
 Where no layer is rematerialised and the step runs on a TPU, each operation is a segment of
-its own (`Activations.layer_by_layer`): libtpu frees what a layer kept once its backward pass
-has run, while the gradients made so far wait for the optimizer's update, so the peak is
-where these two together are largest (`Activations.backward_peak`), not where the backward
-pass starts with every gradient counted beside every activation (read from the same
-buffers: the transformer's peak is in its first block's MLP, beside the second block's
-gradients, its activations gone; the Llama's where the backward pass starts).
+its own (`Activations.layer_by_layer`; the plan walks them under data parallel): libtpu
+frees what a layer kept once its backward pass has run, while the gradients made so far wait
+for the optimizer's update, so the peak is where these two together are largest
+(`Activations.backward_peak`), not where the backward pass starts with every gradient
+counted beside every activation. Read from the same buffers: the transformer's peak is in
+its first block's MLP, beside the second block's gradients, its activations gone; the
+Llama's in its first layer's attention, every gradient made, beside weight slices it
+prefetched, which this does not model.
 
 A model without a graph to follow keeps each top-level layer's output.
 """
