@@ -37,6 +37,18 @@ SHORT_ROWS = ["model.seq_len=128", "trainer.global_batch=64"]
 LONG_ROWS = ["model.seq_len=512", "trainer.global_batch=16"]
 ATTENTION = ["model=transformer", "data=text", "strategy=data_parallel"]
 
+# The built-in transformer and keras-hub's Llama, 2 layers of width 256 (MLP 1024), on 8
+# rows of 256 tokens a chip, under data parallel: their activations outweigh their state.
+SMALL_TRANSFORMER = ["model=transformer", "model.kwargs.d_model=256", "model.kwargs.d_ff=1024"]
+SMALL_LLAMA = [
+    "model=hub",
+    "model.kwargs.hidden_dim=256",
+    "model.kwargs.intermediate_dim=1024",
+    "model.kwargs.num_query_heads=2",
+    "model.kwargs.num_key_value_heads=2",
+]
+ROWS_OF_256 = ["data=text", "model.seq_len=256", "trainer.global_batch=32"]
+
 
 def slice_config(overrides: list[str]):
     return sized_for_the_plan(run_config([*V5E_2X2, *overrides]))
@@ -87,6 +99,19 @@ def test_the_data_parallel_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_r
     gradients one is alive at a time. The estimate within 10 % of what the step needs
     (counting every gradient twice, as XLA:CPU's step holds them, it was 1.43 ×)."""
     plan = slice_plan((*WIDE_KERNELS, "strategy=data_parallel"))
+    assert plan.configured.memory_bytes == pytest.approx(plan.compiled.memory.needed, rel=0.1)
+
+
+@pytest.mark.parametrize("model", [SMALL_TRANSFORMER, SMALL_LLAMA], ids=["transformer", "llama"])
+def test_the_data_parallel_estimate_for_a_tpu_slice_counts_activations_as_libtpu_keeps_them(
+    model,
+):
+    """libtpu keeps no norm's output (it makes it again from the residual sum wherever it is
+    read) and frees each layer's activations once its backward pass has run, while the
+    gradients made so far wait for their all-reduce: the estimate within 10 % of what the
+    step needs (counting every norm's output, and every activation beside every gradient
+    where the backward pass starts, it was 1.33 × for the transformer, 1.14 × the Llama)."""
+    plan = slice_plan((*model, *ROWS_OF_256, "strategy=data_parallel"))
     assert plan.configured.memory_bytes == pytest.approx(plan.compiled.memory.needed, rel=0.1)
 
 

@@ -37,12 +37,30 @@ split over the model axis):
   split by heads (read from XLA:CPU's peak breakdown of the tiny Llama under hybrid 2 × 4);
 - an operation that returns its input (a cast to its own dtype, dropout at rate 0) makes
   nothing;
+- on a TPU, outside rematerialised layers, a norm's output (a layer with weights other than
+  a contraction that keeps its input's shape: a norm, a position table added) is not kept:
+  libtpu fuses it into the contractions that read it, forward and backward, and makes it
+  again from its input (a residual sum of kept contraction outputs) and each row's
+  statistics (`f32[8, 256]` a norm). Read from libtpu's buffers of the built-in
+  transformer's and keras-hub's Llama's steps (`--xla_dump_to`, `*live-range.txt`): per
+  layer they keep the query, key, value, attention output, its projection, the MLP's
+  hidden pre-activations and its output, all float32, and no norm output;
 - where the run's attention runs in splash attention (a TPU; the kernel the layer's own
   `kernel_on` picks there), the (T, S) scores and their softmax are never whole: the kernel
   makes them tile by tile. What it keeps for its backward pass is its output and each query
   row's log-sum-exp, in float32 on each of its sublanes (read from libtpu's buffers of the
   built-in transformer's step: `f32[8, 8, 8, 256]` a layer for 8 examples of 8 heads of 256
   positions, beside the query, key, value and output, and no `[8, 8, 256, 256]`).
+
+Where no layer is rematerialised and the step runs on a TPU, each operation is a segment of
+its own (`Activations.layer_by_layer`; the plan walks them under data parallel): libtpu
+frees what a layer kept once its backward pass has run, while the gradients made so far wait
+for the optimizer's update, so the peak is where these two together are largest
+(`Activations.backward_peak`), not where the backward pass starts with every gradient
+counted beside every activation. Read from the same buffers: the transformer's peak is in
+its first block's MLP, beside the second block's gradients, its activations gone; the
+Llama's in its first layer's attention, every gradient made, beside weight slices it
+prefetched, which this does not model.
 
 A model without a graph to follow keeps each top-level layer's output.
 """
@@ -91,21 +109,22 @@ class Activations:
     kept: float  # bytes per device the backward pass keeps
     largest: float  # the largest kept (or recomputed) tensor's bytes per device
     segments: tuple[Segment, ...] = ()
-
-    @property
-    def rematerialised(self) -> bool:
-        return len(self.segments) > 1
+    rematerialised: bool = False  # segments: the rematerialised layers and those between
+    layer_by_layer: bool = False  # segments: each operation (on a TPU, nothing rematerialised)
 
     @property
     def peak(self) -> float:
         """Without remat: everything kept and the workspace at once."""
         return self.kept + BACKWARD_WORKSPACE * self.largest
 
-    def backward_peak(self, gradients: dict[str, float]) -> tuple[float, float]:
+    def backward_peak(
+        self, gradients: dict[str, float], held: float = math.inf
+    ) -> tuple[float, float]:
         """(activations, gradients) live at the backward pass's peak, where it runs back
         through the segments: at each, the bytes kept by it and those before it, its
         recomputation and the workspace, beside the gradients (`gradients`: bytes per
-        device by weight path) of the segments after it."""
+        device by weight path) of the segments after it, of which at most `held` wait at
+        once (libtpu's largest combined all-reduce, each consumed as it is reduced)."""
         workspace = BACKWARD_WORKSPACE * self.largest
         best = (0.0, 0.0)
         kept_before = list(accumulate(s.kept for s in self.segments))
@@ -113,7 +132,7 @@ class Activations:
         for index in reversed(range(len(self.segments))):
             segment = self.segments[index]
             activations = segment.recomputed + segment.arriving_gradients + workspace
-            live = (kept_before[index] + activations, made_after)
+            live = (kept_before[index] + activations, min(made_after, held))
             best = max(best, live, key=sum)
             made_after += sum(gradients.get(path, 0.0) for path in segment.weights)
         return best
@@ -129,12 +148,21 @@ def activation_bytes(
         return Activations(_top_level_outputs(model, examples, value_bytes), 0.0)
     walk = Derivation(rules, mesh_model, examples, value_bytes)
     walk.run(*graph)
-    tally = _Tally(mesh_model, platform)
+    layer_by_layer = platform == "tpu" and not any(
+        keras_compat.is_rematerialised(layer) for layer in keras_compat.all_layers(model)
+    )
+    tally = _Tally(mesh_model, platform, layer_by_layer)
     for record in walk.records:
         tally.add(record)
     tally.settle_remat_outputs()
     segments = tuple(tally.segments)
-    return Activations(sum(s.kept for s in segments), tally.largest, segments)
+    return Activations(
+        sum(s.kept for s in segments),
+        tally.largest,
+        segments,
+        rematerialised=tally.remat_entered,
+        layer_by_layer=layer_by_layer,
+    )
 
 
 def _top_level_outputs(model, examples: int, value_bytes: int) -> float:
@@ -153,9 +181,11 @@ class _Tally:
     """The walk's records, in order, summed per segment into the bytes of the tensors the
     backward pass keeps and recomputes on each of `n` devices."""
 
-    def __init__(self, n: int, platform: str):
+    def __init__(self, n: int, platform: str, layer_by_layer: bool):
         self.n = n
         self.platform = platform
+        self.layer_by_layer = layer_by_layer  # a segment per operation
+        self.remat_entered = False
         self.splash_seq: int | None = None  # the sequence of the splash attention entered
         self.largest = 0.0
         # id of a tensor (the records hold it) -> the segment that made it, whether it is
@@ -193,8 +223,11 @@ class _Tally:
         entered = outer is None and keras_compat.is_rematerialised(layer)
         self.entered.append((outer, entered, self.splash_seq))
         if entered:
+            self.remat_entered = True
             self.remat_layer = getattr(layer, "path", None) or layer.name
             self.remat_keeps_projections = keeps_projections(layer)
+            self.segments.append(Segment())
+        elif self.layer_by_layer and _leaf(layer):
             self.segments.append(Segment())
         if entered or (outer is None and _leaf(layer)):
             self._use_weights(layer)
@@ -266,7 +299,7 @@ class _Tally:
         if _identity(node):
             return
         producer = node.operation
-        keeps = _keeps_output(producer)
+        keeps = _keeps_output(producer) and not self._remade_from_input(node)
         if self.splash_seq is not None:
             if any(self._scores(t) for t in node.outputs):
                 return  # splash makes them tile by tile
@@ -279,6 +312,11 @@ class _Tally:
             materialised = self.n > 1 and value.whole and value.differentiated
             if keeps or (materialised and _leaf(producer)):
                 self._record(value, self._recomputed(producer))
+
+    def _remade_from_input(self, node) -> bool:
+        """On a TPU, outside a rematerialised layer: a norm's output, which libtpu makes
+        again from its input wherever it is read (the module's docstring)."""
+        return self.platform == "tpu" and self.remat_layer is None and _norm_like(node)
 
     def _record(self, value: Value, recomputed: bool) -> None:
         """Count the tensor once, in the segment that makes it."""
@@ -369,6 +407,20 @@ def _identity(node) -> bool:
     if not isinstance(operation, keras_compat.operation_classes().Cast):
         return False
     return [t.dtype for t in node.input_tensors] == [t.dtype for t in node.outputs]
+
+
+def _norm_like(node) -> bool:
+    """A layer with weights that is no contraction (no kernel, no embedding table it looks
+    up) and keeps its input's shape: a norm, a position table added to its input."""
+    import keras
+
+    operation = node.operation
+    if not getattr(operation, "weights", None) or not node.input_tensors:
+        return False
+    if isinstance(operation, keras.layers.Embedding) or hasattr(operation, "kernel"):
+        return False
+    shape = tuple(node.input_tensors[0].shape)
+    return all(tuple(t.shape) == shape for t in node.outputs)
 
 
 def _projection(operation) -> bool:

@@ -235,12 +235,19 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
         model.keras_model, rules, mesh.model, rows, value_bytes, cfg.cluster.platform
     )
     gradients = gradient_sizes(model, rules, mesh)
+    in_groups = all_reduced_in_groups(cfg.cluster.platform, mesh, rules, model.trainable)
     all_made = (
         largest_all_reduce_group(gradients.values())
-        if all_reduced_in_groups(cfg.cluster.platform, mesh, rules, model.trainable)
+        if in_groups
         else made_gradient_bytes(gradients, mesh)
     )
-    if reduce_scattered_as_made(cfg.cluster.platform, mesh, rules, model.trainable):
+    if in_groups and activations.layer_by_layer:
+        # libtpu frees each layer's activations once its backward pass has run; the
+        # gradients made so far wait for their combined all-reduce.
+        live_activations, live_gradients = max(
+            activations.backward_peak(gradients, held=all_made), (0.0, all_made), key=sum
+        )
+    elif reduce_scattered_as_made(cfg.cluster.platform, mesh, rules, model.trainable):
         live_activations, live_gradients = _sharded_peak(
             activations, ShardedGradients(gradient_shards(model, rules, mesh), gradients)
         )
