@@ -102,6 +102,7 @@ def test_the_data_parallel_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_r
     assert plan.configured.memory_bytes == pytest.approx(plan.compiled.memory.needed, rel=0.1)
 
 
+@pytest.mark.slow  # two libtpu compiles of 10-80 s: the whole suite's, not the quick subset's
 @pytest.mark.parametrize("model", [SMALL_TRANSFORMER, SMALL_LLAMA], ids=["transformer", "llama"])
 def test_the_data_parallel_estimate_for_a_tpu_slice_counts_activations_as_libtpu_keeps_them(
     model,
