@@ -48,7 +48,7 @@ def test_a_private_attribute_read_by_name_is_caught():
 def test_the_run_requests_its_hosts_before_it_imports_keras():
     """Keras takes seconds to import; the hosts' actors start while the driver imports it
     for its checks (`training.run.run_training`), not after. Nor does a command that fails
-    on its config wait for torch (which tensorboardX imports where it is installed)."""
+    on its config wait for torch (the `hf` extra's, where it is installed)."""
     probe = "import sys, training.run; print(sorted({'jax', 'keras', 'torch'} & set(sys.modules)))"
     imported = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True

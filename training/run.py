@@ -16,6 +16,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A sweep's trials print alike lines (progress, mesh, hosts); Ray would fold those into one.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A local instance the run starts prestarts idle workers for its first driver, each a process
+# importing Ray and polling (0.4 s of CPU to start, then about 1 % of a core) that no host
+# takes: the host actors start in workers of their own environment (`runtime_env`).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Ray starts its processes with fork+exec after jax is imported; the exec makes jax's
 # warning about forking a multithreaded process moot.
 warnings.filterwarnings("ignore", message="os.fork\\(\\) was called", category=RuntimeWarning)

@@ -11,6 +11,7 @@ import site
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from rich.console import Console
 
 from examples import make_data
-from tests.conftest import FAST, assert_no_actor_left, run_config
+from tests.conftest import FAST, assert_no_actor_left, run_config, run_plain_python
 from training.config import ConfigError, RayClusterConfig
 from training.driver import standby_hosts
 from training.driver.cluster import Node, host_bundle, join_running, sized_from_nodes
@@ -558,6 +559,45 @@ def test_a_local_ray_instance_has_room_for_a_spare_host_group(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert [local_cpus(hosts) for hosts in (1, 2, 3)] == [3, 4, 6]
     assert local_cpus(-1) == 4  # a sweep's instance, before its trials settle their hosts
+
+
+# A run's own local instance, in a fresh process (the Ray directory this test's own, so that
+# it joins none): the Ray workers under it a moment after it started.
+WORKERS_OF_A_RUNS_INSTANCE = """
+import json, sys, time, psutil, ray
+from training.config import LocalClusterConfig
+from training.driver.cluster import connect_ray
+
+def worker(process):  # starting (Ray's worker script), or started (its title)
+    try:
+        command = process.cmdline() or [""]
+    except psutil.Error:
+        return False
+    return command[0].startswith("ray::IDLE") or command[1:2] != [] and command[1].endswith(
+        "default_worker.py"
+    )
+
+connect_ray(LocalClusterConfig(use_running=False))
+deadline, workers = time.monotonic() + 3, []
+while not workers and time.monotonic() < deadline:
+    time.sleep(0.1)
+    workers = [p.pid for p in psutil.Process().children(recursive=True) if worker(p)]
+ray.shutdown()
+print(json.dumps(workers))
+"""
+
+
+@pytest.mark.slow
+def test_a_runs_own_instance_prestarts_no_idle_worker():
+    """Ray prestarts idle workers for an instance's first driver; no host would take one (the
+    hosts' actors start in workers of their own environment), and each costs a process's
+    start and then polls."""
+    # Not inherited from this process: what importing the run's module sets is tested.
+    unset = "import os; os.environ.pop('RAY_prestart_worker_first_driver', None)\n"
+    script = unset + "import training.run\n" + WORKERS_OF_A_RUNS_INSTANCE
+    # Short: Ray's socket paths under it must stay within 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="ray-", dir="/tmp") as ray_directory:
+        assert run_plain_python(script, RAY_TMPDIR=ray_directory) == []
 
 
 @pytest.mark.ray

@@ -10,7 +10,13 @@ import warnings
 import pytest
 from rich.console import Console
 
-from tests.conftest import FAST, assert_no_control_characters, read_scalars, run_config
+from tests.conftest import (
+    FAST,
+    assert_no_control_characters,
+    read_scalars,
+    run_config,
+    run_plain_python,
+)
 from training.driver.display import ProgressDisplay
 from training.driver.logs import RUN_LOG, RunLog
 from training.driver.tensorboard import ScalarWriter, scalars
@@ -46,6 +52,23 @@ def test_every_numeric_field_of_a_row_is_a_scalar_so_new_fields_need_no_change(t
     assert logged["per_host_step_seconds/host_1"] == pytest.approx({2: 0.04, 4: 0.08})
     assert logged["examples_per_second"] == {2: 200.0, 4: 400.0}
     assert set(logged) == set(scalars(rows[1]))
+
+
+WRITE_SCALARS = """
+import json, sys
+from training.driver.tensorboard import ScalarWriter
+writer = ScalarWriter(sys.argv[1])
+writer.write({"step": 1, "loss": 0.5})
+writer.close()
+print(json.dumps(sorted({"torch", "tensorflow"} & set(sys.modules))))
+"""
+
+
+def test_writing_scalars_imports_no_torch(tmp_path):
+    """Seconds of every run's start where torch is installed (the `hf` extra), for nothing a
+    scalar needs; TensorBoard reads what was written."""
+    assert run_plain_python(WRITE_SCALARS, str(tmp_path)) == []
+    assert read_scalars(tmp_path) == {"loss": {1: 0.5}}
 
 
 def test_host_warnings_become_events_instead_of_stderr_lines(capfd):

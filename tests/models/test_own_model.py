@@ -263,14 +263,17 @@ def test_data_parallel_on_two_hosts_matches_one_device_and_resumes_mid_epoch(ray
     expected = json.loads(reference.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(summary["loss_history"], expected, rtol=1e-4)
 
-    checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
     assert_each_host_fed_its_half(rows, overrides)
 
-    own_run(workdir, module, data, checkpoints, "trainer.steps=3")
-    resumed, resumed_rows = own_run(workdir, module, data, checkpoints)
+    # Stopped and resumed in this process, one host of the same 8 devices (where a resume
+    # continues the data is the subject here; resumes on hosts are tests/test_recovery.py's).
+    checkpoints = f"checkpoint.dir={workdir / 'ckpt'}"
+    own_run(workdir, module, data, checkpoints, "trainer.steps=3", "cluster=inprocess")
+    resumed, resumed_rows = own_run(workdir, module, data, checkpoints, "cluster=inprocess")
     assert resumed["resumed_from_step"] == 3
-    # Step 4 starts mid-epoch (72 training rows, 32 a step): the same examples, same losses.
-    assert resumed_rows == rows[3:]
+    # Step 4 starts mid-epoch (72 training rows, 32 a step): the same examples, same losses
+    # (one process sums the gradients in another order than two: a few 1e-7 apart).
+    assert resumed_rows == [[first + second] for first, second in rows[3:]]
     np.testing.assert_allclose(resumed["loss_history"], summary["loss_history"][3:], rtol=1e-5)
 
 
