@@ -247,7 +247,7 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
         live_activations, live_gradients = max(
             activations.backward_peak(gradients, held=all_made), (0.0, all_made), key=sum
         )
-    elif reduce_scattered_as_made(cfg.cluster.platform, mesh, rules, model.trainable):
+    elif reduce_scattered_as_made(cfg.cluster.platform, rules, model.trainable):
         live_activations, live_gradients = _sharded_peak(
             activations, ShardedGradients(gradient_shards(model, rules, mesh), gradients)
         )

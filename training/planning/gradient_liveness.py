@@ -1,12 +1,17 @@
 """How many of a step's gradients are alive at once, by the compiler of the run's devices.
 
-- libtpu, where the layout splits weights over `data` and there is no model axis (fsdp;
-  `training/build.py` then leaves the gathers to it): each weight's gradient is
+- libtpu, where the layout splits weights over `data`: each weight's gradient is
   reduce-scattered as the backward pass makes it, so what stays is each gradient split as
   its weight, beside the layer being differentiated: its gathered weights and their whole
   gradients, counted for the largest layer (its weights' paths but the last part). Read from
   libtpu's compiled steps for v5e slices of 4 to 256 chips
-  (`tests/planning/test_compile_target.py`, README "Plan before launching").
+  (`tests/planning/test_compile_target.py`, README "Plan before launching"): without a model
+  axis (fsdp) `training/build.py` leaves the gathers to libtpu; with one (hybrid + fsdp) the
+  explicit gather's backward constrains each gradient to its weight's layout
+  (`training.parallel.fsdp.gather_for_use`), which libtpu reduce-scatters weight by weight
+  (an `all-reduce-scatter` fusion each in the built-in transformer's step on 4 v5e chips,
+  hybrid 2 × 2: the split gradient lives from there to the update, the whole one only
+  until it is scattered).
 - libtpu, where no trainable weight is split over `data` and there is no model axis (data
   parallel): its AllReduceCombiner joins the gradients' all-reduces into groups of at most
   `TPU_ALL_REDUCE_COMBINE_BYTES`, each reduced in place and consumed by the optimizer's
@@ -16,9 +21,8 @@
   reduced alone, in one 64 MiB temporary they share; the transformer's 99 MiB of gradients
   in one all-reduce, alive together; the Llama's 130 MiB in two (16 and 114 MiB).
 - XLA:CPU (and XLA:GPU, not measured here) makes every gradient of a weight split over
-  `data` whole and all-reduces them together before slicing, and the gathered weights
-  (`training.parallel.fsdp.gather_for_use`) keep them so on every backend with a model
-  axis: `training.planning.costs.made_gradient_bytes`, which the plan says it counts
+  `data` whole and all-reduces them together before slicing, with the explicit gather too:
+  `training.planning.costs.made_gradient_bytes`, which the plan says it counts
   (`whole_gradients_note`).
 """
 
@@ -29,7 +33,6 @@ from dataclasses import dataclass
 
 from training.contracts import LayoutRules
 from training.models import axis_names, rule_axes
-from training.parallel.fsdp import gathers_left_to_the_compiler
 from training.parallel.mesh import MeshShape
 
 
@@ -72,11 +75,10 @@ def largest_all_reduce_group(gradients: Iterable[int]) -> int:
     return max(groups, default=0)
 
 
-def reduce_scattered_as_made(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
+def reduce_scattered_as_made(platform: str, rules: LayoutRules, trainable) -> bool:
     """Whether the run's compiled step reduce-scatters each gradient of a weight split over
-    `data` as it is made: on TPU without a model axis, where the hosts' step leaves the
-    gathers to libtpu (`training/build.py`)."""
-    return gathers_left_to_the_compiler(platform, mesh.model) and splits_over_data(rules, trainable)
+    `data` as it is made: libtpu's, with a model axis or without."""
+    return platform == "tpu" and splits_over_data(rules, trainable)
 
 
 @dataclass(frozen=True)
@@ -102,19 +104,15 @@ class ShardedGradients:
         return sum(self.kept.values()) + self.window
 
 
-def whole_gradients_note(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> str:
+def whole_gradients_note(platform: str, rules: LayoutRules, trainable) -> str:
     """What the estimate counts of the gradients of weights split over `data`, where the
     run's compiler keeps them whole ("" where no weight is, or it does not)."""
     if not splits_over_data(rules, trainable) or reduce_scattered_as_made(
-        platform, mesh, rules, trainable
+        platform, rules, trainable
     ):
         return ""
-    known = {
-        "cpu": "as XLA:CPU's step does",
-        "tpu": "as the explicit gathers of a step with a model axis make them",
-    }
+    known = "as XLA:CPU's step does" if platform == "cpu" else f"not measured on {platform}"
     return (
         "the estimate counts every gradient of a weight split over `data` whole, and the "
-        f"reduction's copy ({known.get(platform, f'not measured on {platform}')}); libtpu "
-        "without a model axis reduce-scatters each as it is made"
+        f"reduction's copy ({known}); libtpu reduce-scatters each as it is made"
     )
