@@ -132,7 +132,9 @@ def make_plan(
         checked.layout,
         compiled,
         refused,
-        whole_gradients_note(cfg.cluster.platform, configured.rules, model.trainable),
+        whole_gradients_note(
+            cfg.cluster.platform, configured.mesh, configured.rules, model.trainable
+        ),
     )
 
 

@@ -1,17 +1,22 @@
 """How many of a step's gradients are alive at once, by the compiler of the run's devices.
 
-- libtpu, where the layout splits weights over `data`: each weight's gradient is
+- libtpu, where the layout splits weights over `data` and there is no model axis (fsdp;
+  `training/build.py` then leaves the gathers to it): each weight's gradient is
   reduce-scattered as the backward pass makes it, so what stays is each gradient split as
   its weight, beside the layer being differentiated: its gathered weights and their whole
   gradients, counted for the largest layer (its weights' paths but the last part). Read from
   libtpu's compiled steps for v5e slices of 4 to 256 chips
-  (`tests/planning/test_compile_target.py`, README "Plan before launching"): without a model
-  axis (fsdp) `training/build.py` leaves the gathers to libtpu; with one (hybrid + fsdp) the
-  explicit gather's backward constrains each gradient to its weight's layout
+  (`tests/planning/test_compile_target.py`, README "Plan before launching").
+- libtpu, where the layout splits weights over `data` and there is a model axis (hybrid +
+  fsdp): the explicit gather's backward constrains each gradient to its weight's layout
   (`training.parallel.fsdp.gather_for_use`), which libtpu reduce-scatters weight by weight
-  (an `all-reduce-scatter` fusion each in the built-in transformer's step on 4 v5e chips,
-  hybrid 2 × 2: the split gradient lives from there to the update, the whole one only
-  until it is scattered).
+  (an `all-reduce-scatter` fusion each), but its scheduler may place those after the whole
+  backward pass, every gradient alive whole over `data` until then; the estimate counts
+  them so, once (the scatter's output is split). Read from its buffers (`--xla_dump_to`,
+  `*live-range.txt`) of the built-in transformer's step: at d_model 4096 on 256 v5e chips
+  (hybrid 64 × 4) every reduce-scatter comes after the backward pass, its peak holding
+  every MLP kernel's whole gradient; at d_model 1024 on 4 chips (2 × 2) each block's come
+  after that block's backward pass.
 - libtpu, where no trainable weight is split over `data` and there is no model axis (data
   parallel): its AllReduceCombiner joins the gradients' all-reduces into groups of at most
   `TPU_ALL_REDUCE_COMBINE_BYTES`, each reduced in place and consumed by the optimizer's
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 from training.contracts import LayoutRules
 from training.models import axis_names, rule_axes
+from training.parallel.fsdp import gathers_left_to_the_compiler
 from training.parallel.mesh import MeshShape
 
 
@@ -75,10 +81,18 @@ def largest_all_reduce_group(gradients: Iterable[int]) -> int:
     return max(groups, default=0)
 
 
-def reduce_scattered_as_made(platform: str, rules: LayoutRules, trainable) -> bool:
+def reduce_scattered_as_made(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
     """Whether the run's compiled step reduce-scatters each gradient of a weight split over
-    `data` as it is made: libtpu's, with a model axis or without."""
-    return platform == "tpu" and splits_over_data(rules, trainable)
+    `data` as it is made: on TPU without a model axis, where the hosts' step leaves the
+    gathers to libtpu (`training/build.py`)."""
+    return gathers_left_to_the_compiler(platform, mesh.model) and splits_over_data(rules, trainable)
+
+
+def whole_until_scattered(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> bool:
+    """Whether the run's compiled step may hold every gradient of a weight split over `data`
+    whole over `data` at once, each until its own reduce-scatter: libtpu's with a model axis,
+    whose step gathers those weights explicitly."""
+    return platform == "tpu" and mesh.model > 1 and splits_over_data(rules, trainable)
 
 
 @dataclass(frozen=True)
@@ -104,15 +118,22 @@ class ShardedGradients:
         return sum(self.kept.values()) + self.window
 
 
-def whole_gradients_note(platform: str, rules: LayoutRules, trainable) -> str:
+def whole_gradients_note(platform: str, mesh: MeshShape, rules: LayoutRules, trainable) -> str:
     """What the estimate counts of the gradients of weights split over `data`, where the
     run's compiler keeps them whole ("" where no weight is, or it does not)."""
     if not splits_over_data(rules, trainable) or reduce_scattered_as_made(
-        platform, rules, trainable
+        platform, mesh, rules, trainable
     ):
         return ""
+    if whole_until_scattered(platform, mesh, rules, trainable):
+        return (
+            "the estimate counts every gradient of a weight split over `data` whole over "
+            "`data`, once: libtpu's step with a model axis reduce-scatters each on its own, "
+            "but may schedule them all after the backward pass"
+        )
     known = "as XLA:CPU's step does" if platform == "cpu" else f"not measured on {platform}"
     return (
         "the estimate counts every gradient of a weight split over `data` whole, and the "
-        f"reduction's copy ({known}); libtpu reduce-scatters each as it is made"
+        f"reduction's copy ({known}); libtpu without a model axis reduce-scatters each as it "
+        "is made"
     )
