@@ -22,13 +22,16 @@ split over the model axis):
 - the backward pass's own workspace: the gradient of the largest kept tensor and the
   gradient it is computed from (attention's scores and their softmax, where there is
   attention);
-- with a model axis, what XLA's partitioner materialises around the collectives (read from
-  XLA:CPU's buffer assignment of the built-in transformer under hybrid 2 × 4): every
+- with a model axis, on XLA:CPU, what its partitioner materialises around the collectives
+  (read from XLA:CPU's buffer assignment of the built-in transformer under hybrid 2 × 4): every
   elementwise result on a whole activation the backward pass differentiates (a residual sum
   after an all-reduce no longer fuses into its consumer; a mask made from the token ids
   does) and one copy of each whole activation a partitioned contraction reads (a
   column-split projection's input, reshaped for the partitioned dot; none where the kernel
-  is gathered instead);
+  is gathered instead). libtpu's buffers hold none of these (the built-in transformer's
+  step under hybrid 2 × 2 + fsdp on 4 v5e chips, `--xla_dump_to`, `*live-range.txt`: per
+  block the query, key, value and splash output split by heads, the MLP's hidden layer
+  split over `model`, and the two residual sums whole, as under data parallel);
 - a whole input that no output rule holds, read by a kernel split on a dimension it
   contracts, is computed split as that kernel is, and so is each whole tensor it is made
   from that has a dimension of that size at that position (matched by position: a
@@ -309,9 +312,14 @@ class _Tally:
         for value in outputs:
             # what no gradient flows through (a mask made from the token ids) fuses into
             # its readers
-            materialised = self.n > 1 and value.whole and value.differentiated
+            materialised = self._partitioner_materialises() and value.whole and value.differentiated
             if keeps or (materialised and _leaf(producer)):
                 self._record(value, self._recomputed(producer))
+
+    def _partitioner_materialises(self) -> bool:
+        """Whether XLA's partitioner materialises whole tensors around the model axis's
+        collectives (XLA:CPU's does; libtpu's buffers hold none of them)."""
+        return self.n > 1 and self.platform != "tpu"
 
     def _remade_from_input(self, node) -> bool:
         """On a TPU, outside a rematerialised layer: a norm's output, which libtpu makes
@@ -374,7 +382,8 @@ class _Tally:
     def _contraction(self, x: Value, partitioned: bool) -> None:
         """With a model axis, the copy XLA makes of a whole input of a partitioned dot is
         kept too, once per input however many contractions read it."""
-        copies = self.n > 1 and x.whole and partitioned and self.remat_layer is None
+        copies = self._partitioner_materialises() and x.whole and partitioned
+        copies = copies and self.remat_layer is None
         if copies and id(x.tensor) not in self.copied:
             self.copied.add(id(x.tensor))
             self.segments[-1].kept += x.bytes

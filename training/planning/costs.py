@@ -30,6 +30,7 @@ from training.planning.gradient_liveness import (
     all_reduced_in_groups,
     largest_all_reduce_group,
     reduce_scattered_as_made,
+    whole_until_scattered,
 )
 from training.planning.layer_graph import untraceable
 from training.planning.layout import resolve_layout
@@ -236,11 +237,12 @@ def _memory(cfg: RunConfig, model: AbstractModel, rules: LayoutRules, mesh, rows
     )
     gradients = gradient_sizes(model, rules, mesh)
     in_groups = all_reduced_in_groups(cfg.cluster.platform, mesh, rules, model.trainable)
-    all_made = (
-        largest_all_reduce_group(gradients.values())
-        if in_groups
-        else made_gradient_bytes(gradients, mesh)
-    )
+    if in_groups:
+        all_made = largest_all_reduce_group(gradients.values())
+    elif whole_until_scattered(cfg.cluster.platform, mesh, rules, model.trainable):
+        all_made = sum(gradients.values())  # each scattered to a split output, no copy
+    else:
+        all_made = made_gradient_bytes(gradients, mesh)
     if in_groups and activations.layer_by_layer:
         # libtpu frees each layer's activations once its backward pass has run; the
         # gradients made so far wait for their combined all-reduce.
