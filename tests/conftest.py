@@ -3,6 +3,7 @@
 import atexit
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -151,11 +152,40 @@ def alive_actors(class_name: str | None = None) -> list:
 
 
 def assert_no_actor_left(within_s: float = 10.0) -> None:
-    """Killing an actor is asynchronous in Ray: allow its death to reach the state API."""
+    """No actor but the standby hosts no run holds (which runs leave in the session's
+    instance for the next run). Killing an actor is asynchronous in Ray: allow its death to
+    reach the state API."""
     deadline = time.monotonic() + within_s
-    while (left := alive_actors()) and time.monotonic() < deadline:
+    while (left := held_actors()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left, f"actors still alive: {[a.class_name for a in left]}"
+    assert not left, f"actors still alive: {[(a.class_name, a.name, a.pid) for a in left]}"
+
+
+def held_actors() -> list:
+    """The alive actors but the standby hosts no run holds."""
+    import ray
+
+    from training.driver.standby_hosts import NAMESPACE
+
+    def unheld_standby(actor) -> bool:
+        if actor.ray_namespace != NAMESPACE:
+            return False
+        try:
+            handle = ray.get_actor(actor.name, namespace=NAMESPACE)
+            return not ray.get(handle.held.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - ended meanwhile
+            return True
+
+    return [actor for actor in alive_actors() if not unheld_standby(actor)]
+
+
+def training_host_pid(output_dir: Path) -> int:
+    """The process of one host that trains in the run writing `output_dir` (as its run log
+    names them): not a spare group's, nor a standby host's."""
+    from training.driver.logs import RUN_LOG
+
+    training = set(map(int, re.findall(r"\bpid (\d+)\)", (output_dir / RUN_LOG).read_text())))
+    return [a.pid for a in alive_actors("HostActor") if a.pid in training][-1]
 
 
 def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:

@@ -13,7 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
+from tests.conftest import (
+    FAST,
+    assert_no_actor_left,
+    run_config,
+    training_host_pid,
+)
 from training.config import ConfigError
 from training.driver.failures import HostFailure
 from training.models import SPLIT_THRESHOLD_BYTES
@@ -229,7 +234,7 @@ def signal_a_host_once_training(output_dir: Path, signum: int) -> dict:
         metrics = output_dir / "metrics.jsonl"
         while time.monotonic() < deadline:
             if metrics.exists() and metrics.read_text().strip():
-                os.kill(alive_actors("HostActor")[-1].pid, signum)
+                os.kill(training_host_pid(output_dir), signum)
                 sent["at"] = time.monotonic()
                 return
             time.sleep(0.1)

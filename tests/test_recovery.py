@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 
 from tests.checkpoint.test_checkpoint import HYBRID, values
-from tests.conftest import FAST, alive_actors, assert_no_actor_left, run_config
+from tests.conftest import (
+    FAST,
+    alive_actors,
+    assert_no_actor_left,
+    run_config,
+    training_host_pid,
+)
 from tests.test_multihost import single_device_losses
 from training.build import build_on_grid
 from training.driver.failures import HostFailure
@@ -165,8 +171,7 @@ def signal_a_host_after_step(output_dir: Path, step: int, signum: int = signal.S
 
     def act() -> dict:
         # A host that trains, not one of the spare group waiting for a restart.
-        training = set(map(int, re.findall(r"\bpid (\d+)\)", (output_dir / RUN_LOG).read_text())))
-        pid = [a.pid for a in alive_actors("HostActor") if a.pid in training][-1]
+        pid = training_host_pid(output_dir)
         os.kill(pid, signum)
         return {"pid": pid}
 
@@ -432,7 +437,7 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
         # placement group would not: the GCS retries those after a backoff, and the run's
         # new group, created later, was placed first in CI.)
         taken["actor"] = CpuTaker.remote()
-        pid = [a.pid for a in alive_actors("HostActor")][-1]
+        pid = training_host_pid(tmp_path)
         os.kill(pid, signal.SIGKILL)
         return {"pid": pid}
 

@@ -75,11 +75,12 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
         # (the data, the model built abstractly) run while the hosts' actors start in their
         # own processes and import their libraries; a failed check stops them.
         # Room for a spare group of hosts where the run may restart (training/driver/restarts).
-        with hosts_reachable(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as joined:
-            if joined:
-                console.print(joined, highlight=False, soft_wrap=True)
-            # On an instance the user keeps, the next run finds its hosts started.
-            standby = bool(joined) and cfg.cluster.standby_hosts
+        with hosts_reachable(cfg.cluster, 1 + (cfg.fault.max_restarts > 0)) as session:
+            if session.joined:
+                console.print(session.joined, highlight=False, soft_wrap=True)
+            # On an instance that outlives the run, the next run finds its hosts started.
+            kept = session.outlives_run and isinstance(cfg.cluster, LocalClusterConfig)
+            standby = kept and cfg.cluster.standby_hosts
             interrupted = False
             try:
                 summary, trained = checked_and_run(cfg, output_dir, console, standby, compiled)
@@ -87,8 +88,8 @@ def run_training(cfg: RunConfig | DictConfig, output_dir: Path, console: Console
                 interrupted = True
                 raise
             finally:
-                if joined and not interrupted:
-                    leave_standby_hosts(cfg.cluster, standby, console)
+                if kept and not interrupted:
+                    leave_standby_hosts(cfg.cluster, standby, console, said=bool(session.joined))
     if not trained:
         return summary
     print_summary(summary, console)
@@ -153,22 +154,25 @@ def checked_and_run(
     return supervisor.run(), True
 
 
-def leave_standby_hosts(cluster: LocalClusterConfig, leave: bool, console: Console) -> None:
+def leave_standby_hosts(
+    cluster: LocalClusterConfig, leave: bool, console: Console, said: bool = True
+) -> None:
     """Replace the standby hosts on the instance by this run's (none unless `leave`). Best
-    effort: the run's own outcome stands whatever happens here."""
+    effort: the run's own outcome stands whatever happens here. `said`: the line for the
+    user (an instance the user keeps, which `ray stop` ends; not the caller's own)."""
     from training.driver import standby_hosts
     from training.driver.placement import host_environments
 
     try:
-        standby_hosts.leave(
+        left = standby_hosts.leave(
             cluster.hosts, cluster.platform, host_environments(cluster) if leave else []
         )
     except Exception as error:  # noqa: BLE001 - an instance stopped or lost meanwhile
         console.print(f"ray: no standby hosts left: {error}", highlight=False, soft_wrap=True)
         return
-    if leave:
+    if left and said:
         console.print(
-            f"ray: {cluster.hosts} standby hosts left in the running instance for the next "
+            f"ray: {left} standby hosts left in the running instance for the next "
             "run (`ray stop` ends them; cluster.standby_hosts=false leaves none)",
             highlight=False,
             soft_wrap=True,

@@ -380,18 +380,55 @@ def test_a_run_takes_the_standby_hosts_the_run_before_left_and_they_end_with_it(
         second.kill()
 
 
+WIDE_MODEL = """
+import keras
+
+def get_model():
+    x = keras.Input(shape=(16,))
+    return keras.Model(x, keras.layers.Dense(1)(keras.layers.Dense(WIDTH)(x)))
+"""
+
+
 @pytest.mark.ray
-def test_standby_hosts_false_leaves_none_and_ends_those_an_earlier_run_left(ray_cluster):
-    """What a run that ends on the instance does with `cluster.standby_hosts` (training.run
-    leaves its hosts only where it is true)."""
-    console = Console(file=io.StringIO())
-    kept = run_config(["cluster.standby_hosts=true"]).cluster
-    leave_standby_hosts(kept, kept.standby_hosts, console)
-    assert len(standby_hosts.standing()) == kept.hosts == 2
-    off = run_config(["cluster.standby_hosts=false"]).cluster
-    leave_standby_hosts(off, off.standby_hosts, console)
-    assert standby_hosts.standing() == []
+def test_a_run_leaves_its_hosts_for_the_next_which_trains_on_them_as_on_fresh_ones(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """On the caller's instance a CPU run's hosts stay, released from its JAX cluster; the
+    next run of the same hosts trains on those processes exactly as the first did on fresh
+    ones, with the user's module as it is then; cluster.standby_hosts=false ends them."""
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "train.npz", **make_data.make(rows=512))
+    models = tmp_path / "wide_models.py"
+    own = ["model=keras", "model.build=wide_models:get_model", "model.loss=mse", "data=arrays"]
+    overrides = [*FAST, *own, "data.path=train.npz"]
+
+    def run(name: str, width: int) -> tuple[dict, set[int]]:
+        models.write_text(WIDE_MODEL.replace("WIDTH", str(width)))
+        summary = run_training(run_config(overrides), tmp_path / name)
+        return summary, {host["pid"] for host in summary["host_identities"]}
+
+    (fresh, fresh_pids), (again, again_pids) = run("fresh", 8), run("again", 8)
+    assert again_pids == fresh_pids and len(fresh_pids) == 2
+    assert again["loss_history"] == fresh["loss_history"]
+    assert again["final_loss"] == fresh["final_loss"]
+    edited, edited_pids = run("edited", 4)
+    assert edited_pids == fresh_pids
+    assert edited["parameters"] == 16 * 4 + 4 + 4 + 1 != fresh["parameters"]
+    assert len(standing_once(2)) == 2
     assert_no_actor_left()
+
+    off = run_config(["cluster.standby_hosts=false"]).cluster
+    leave_standby_hosts(off, off.standby_hosts, Console(file=io.StringIO()))
+    assert standing_once(0) == []
+
+
+def standing_once(count: int, within_s: float = 30.0) -> list[str]:
+    """The standby hosts, once there are `count` (each one a run ended goes once it has
+    started and answers: the run does not wait for it), or after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while len(seen := standby_hosts.standing()) != count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return seen
 
 
 def test_a_standby_host_is_claimed_only_by_a_run_of_the_same_hosts_and_installed_code(

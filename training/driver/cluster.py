@@ -26,6 +26,7 @@ from training.config import (
     RunConfig,
     host_gpus,
 )
+from training.driver.hosts import RaySession
 from training.gpus import discover_gpus, gpu_resource, gpu_resources
 
 HEAD_MARKER = "node:__internal_head__"  # a resource Ray gives the head node alone
@@ -157,15 +158,14 @@ def check_reachable(address: str) -> None:
 
 
 @contextmanager
-def ray_session(cluster: ClusterConfig, host_groups: int = 1):
-    """Use the caller's Ray connection if there is one, else start or join one for this run.
-    Yields the line `connect_ray` has for the user ('' if none)."""
+def ray_session(cluster: ClusterConfig, host_groups: int = 1) -> Iterator[RaySession]:
+    """Use the caller's Ray connection if there is one, else start or join one for this run."""
     joined = connect_ray(cluster, host_groups)
     if joined is None:
-        yield ""
+        yield RaySession(outlives_run=True)
         return
     try:
-        yield joined
+        yield RaySession(joined, outlives_run=bool(joined))
     finally:
         ray.shutdown()
 

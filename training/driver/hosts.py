@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -56,6 +57,14 @@ class HostGroup(Protocol):
         """The hosts stopped and their devices freed (what this process can free)."""
 
 
+@dataclass(frozen=True)
+class RaySession:
+    """How a run reached its Ray instance (none: `cluster=inprocess`)."""
+
+    joined: str = ""  # the line for the user where it joined an instance it did not start
+    outlives_run: bool = False  # joined, or the caller's connection (a notebook's, a sweep's)
+
+
 def in_process(cluster: ClusterConfig) -> bool:
     return cluster.name == IN_PROCESS
 
@@ -84,17 +93,18 @@ def request_returning_hosts(cluster: ClusterConfig, held: int):
 
 
 @contextmanager
-def hosts_reachable(cluster: ClusterConfig, host_groups: int = 1) -> Iterator[str]:
+def hosts_reachable(cluster: ClusterConfig, host_groups: int = 1) -> Iterator[RaySession]:
     """Ray connected for the run's `host_groups` groups of hosts (started, or joined where a
-    running local instance has room), unless the host is this process. Yields the line for
-    the user where the run joined an instance it did not start ('' otherwise)."""
+    running local instance has room), unless the host is this process. Yields how: the line
+    for the user where the run joined an instance it did not start, and whether the
+    instance outlives the run (where standby hosts are worth leaving)."""
     if in_process(cluster):
-        yield ""
+        yield RaySession()
         return
     from training.driver.cluster import ray_session
 
-    with ray_session(cluster, host_groups) as joined:
-        yield joined
+    with ray_session(cluster, host_groups) as session:
+        yield session
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from training.host.environment import host_environment
 from training.parallel.mesh import MeshShape
 
 PROCESS_EXIT_SECONDS = 2.0  # after Ray's kill, before a host's process is killed outright
+RELEASE_S = 30.0  # for the hosts to leave their jax.distributed cluster, else they end
 QUEUE_POLL_SECONDS = 1.0
 HOST_GROUP_PREFIX = "training-hosts"
 # After a peer's error, how long to wait for the death that caused it; after a death, for
@@ -60,6 +61,7 @@ class RayHostGroup:
     joins: list = field(default_factory=list)  # each host's join of the jax.distributed cluster
     local_pids: list[int] = field(default_factory=list)  # see `identities`
     from_standby: int = 0  # standby hosts claimed (training.driver.standby_hosts)
+    standby: int = 0  # hosts that are standby hosts (claimed, or started so), to release
     # The calls the driver waits on (the actors' start, join, then training) -> their host
     calls: dict = field(default_factory=dict)
     returned_hosts: set = field(default_factory=set)  # hosts whose `train` call returned
@@ -120,10 +122,13 @@ class RayHostGroup:
         standby host where an earlier run left one."""
         cluster = self.cluster
         for host, (bundle, env) in enumerate(zip(bundles, host_environments(cluster), strict=True)):
-            kept = claim_standby and standby_hosts.claim(host, cluster.hosts, cluster.platform, env)
+            described = (host, cluster.hosts, cluster.platform, env)
+            kept = claim_standby and standby_hosts.claim(*described)
+            self.from_standby += bool(kept)
+            kept = kept or (claim_standby and standby_hosts.start_claimed(*described))
             if kept:
                 self.actors.append(kept)
-                self.from_standby += 1
+                self.standby += 1
                 continue
             custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
             actor = HostActor.options(
@@ -156,7 +161,7 @@ class RayHostGroup:
             )
             self._join(bound_s)
         here = ray.get_runtime_context().get_node_id()
-        self.local_pids = [i["pid"] for i in identities if i["node_id"] == here]
+        self.local_pids = [i["pid"] if i["node_id"] == here else None for i in identities]
         return identities
 
     def join(self, bound_s: float) -> str:
@@ -231,18 +236,35 @@ class RayHostGroup:
             actor.request_stop.remote()
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        """Every host ended, but standby hosts released for the next run where the run ended
+        with every host's return (`training.driver.standby_hosts`)."""
+        released = self._released_to_standby()
+        for actor in self.actors if not released else []:
             ray.kill(actor, no_restart=True)
         self.actors = []
         if self.tpu_slice is not None:
             self.tpu_slice.shutdown()  # its hosts' placement group and the head's reservation
         else:
             remove_placement_group(self.placement)
-        _stop_processes(self.local_pids)
+        _stop_processes([pid for pid in self.local_pids if pid is not None and not released])
         self.local_pids = []
         if self.inbox is not None:
             self.inbox.shutdown()
             self.inbox = None
+
+    def _released_to_standby(self) -> bool:
+        """Whether every host, a standby host that returned from training, has left the
+        run's `jax.distributed` cluster, ready for the next run. All or none: leaving is a
+        barrier of all the cluster's processes."""
+        if not self.actors or self.standby < len(self.actors):
+            return False
+        if len(self.returned_hosts) < len(self.actors):
+            return False
+        try:
+            ray.get([actor.release.remote() for actor in self.actors], timeout=RELEASE_S)
+        except (GetTimeoutError, RayTaskError, RayActorError):
+            return False
+        return True
 
 
 def tpu_worker_order(identities: list[dict]) -> list[int]:

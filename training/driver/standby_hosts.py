@@ -1,14 +1,18 @@
-"""Standby hosts: host processes left started between local runs on a Ray instance the user
-keeps (`ray start --head`).
+"""Standby hosts: host processes left started between local runs on a Ray instance that
+outlives them (one the user keeps, `ray start --head`; or the caller's own connection: a
+notebook's, a sweep's trials).
 
-A run that joined such an instance leaves, as it ends, one actor per host started as its
-hosts were (the same environment variables), its libraries imported and no JAX backend yet
+A run on such an instance leaves, as it ends, one actor per host started as its hosts were
+(the same environment variables), its libraries imported and no JAX backend
 (`cluster.standby_hosts`); the next run with the same hosts and installed code claims them
 instead of starting actors, so neither Ray's worker start nor the imports are on its way to
-the first step. They are detached, named actors that hold no resources: the run's placement
-group still reserves what its hosts take. A claimed host ends with its run, or with its
-driver's process if that dies first; unclaimed ones end with the instance (`ray stop`) or
-when a later run replaces them.
+the first step. On CPU the run's own hosts stay as they are, released from its
+`jax.distributed` cluster (`HostActor.release`), and so a series of runs starts each
+host's process once; a GPU or TPU host's process ends with its run (its devices' memory is
+the next run's), and a fresh one is left instead. They are detached, named actors that
+hold no resources: the run's placement group still reserves what its hosts take. A claimed
+host ends with its run, or with its driver's process if that dies first; unclaimed ones end
+with the instance (`ray stop`) or when a later run of other hosts replaces them.
 """
 
 from __future__ import annotations
@@ -30,36 +34,74 @@ NAMESPACE = "training-standby-hosts"
 CLAIM_TIMEOUT_S = 10.0
 
 
+# Where a host's process may serve the next run: a backend of the CPU's leaves no device
+# memory held.
+REUSABLE_PLATFORMS = ("cpu",)
+
+
 def claim(host: int, hosts: int, platform: str, env: dict[str, str]):
     """The standby host for host `host` of `hosts` in `env`, claimed for this run (it ends
     when this process does); None if there is none, another run claimed it, or it does not
     answer."""
     try:
         actor = ray.get_actor(_name(host, hosts, platform, env), namespace=NAMESPACE)
-        held = _held(actor)
-    except Exception:  # noqa: BLE001 - none, dead, or of other code: the run starts its own
+    except ValueError:  # none
         return None
+    try:
+        held = _held(actor)
+    except Exception:  # noqa: BLE001 - dead, or of other code: the run starts its own
+        return None
+    except BaseException:  # Ctrl-C: the claim may still land, holding it for nothing
+        ray.kill(actor, no_restart=True)
+        raise
     if held is None:  # stuck: the claim may still land, holding it for nothing
         ray.kill(actor, no_restart=True)
     return actor if held else None
 
 
-def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> None:
-    """Replace the unclaimed standby hosts on this instance by one per host in `envs`. A
-    name still held (another run's claimed host, alike) is left to that run."""
+def start_claimed(host: int, hosts: int, platform: str, env: dict[str, str]):
+    """Host `host` of `hosts` in `env`, started as a standby host held by this run (from its
+    start: no other run can claim it first), for the run to release rather than end, on a
+    platform where it may (`REUSABLE_PLATFORMS`); None elsewhere, or where another run holds
+    the name."""
+    if platform not in REUSABLE_PLATFORMS:
+        return None
+    try:
+        return _start(host, hosts, platform, env, held_by=_claimant())
+    except ActorAlreadyExistsError:
+        return None
+
+
+def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> int:
+    """Leave one standby host per host in `envs` on this instance; return how many stand.
+    Those of other hosts end, unless a run holds them. On a platform whose hosts a run
+    releases (`REUSABLE_PLATFORMS`), those are the run's own, where it could release them;
+    elsewhere, fresh ones where there are none."""
+    wanted = [_name(host, hosts, platform, env) for host, env in enumerate(envs)]
     for name in standing():
-        _end_unclaimed(name)
-    for host, env in enumerate(envs):
+        if name not in wanted:
+            _end_unclaimed(name)
+    for host, env in enumerate(envs if platform not in REUSABLE_PLATFORMS else []):
         try:
-            HostActor.options(
-                name=_name(host, hosts, platform, env),
-                namespace=NAMESPACE,
-                lifetime="detached",
-                num_cpus=0,
-                runtime_env={"env_vars": env},
-            ).remote(host, hosts, platform)
+            _start(host, hosts, platform, env)
         except ActorAlreadyExistsError:
             continue
+    return len(set(wanted) & set(standing()))
+
+
+def _start(host: int, hosts: int, platform: str, env: dict[str, str], held_by: tuple | None = None):
+    return HostActor.options(
+        name=_name(host, hosts, platform, env),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        runtime_env={"env_vars": env},
+    ).remote(host, hosts, platform, held_by)
+
+
+def _claimant() -> tuple[int, str]:
+    """This process as a run claiming a host: its pid and Ray job."""
+    return os.getpid(), ray.get_runtime_context().get_job_id()
 
 
 def standing() -> list[str]:
@@ -72,17 +114,15 @@ def standing() -> list[str]:
 
 
 def _end_unclaimed(name: str) -> None:
-    """Unless a run has claimed it, claim it (so that no run takes it meanwhile) and end it;
-    one that cannot answer a claim (of other code, say) is ended too."""
+    """End it unless a run has claimed it, once it answers (one still starting, then), not
+    waiting for it; one of other code, which cannot be asked, is ended outright."""
     try:
         actor = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:  # gone already
         return
     try:
-        held = _held(actor)
-    except Exception:  # noqa: BLE001 - dead, or not a host of this code
-        held = True
-    if held:  # not False (a run holds it) nor None (busy: a run's host)
+        actor.end_unless_held.remote()
+    except AttributeError:  # a host of other code
         ray.kill(actor, no_restart=True)
 
 
@@ -90,7 +130,7 @@ def _held(actor) -> bool | None:
     """Claim `actor` for this process: True if this process holds it now, False if a run
     had claimed it, None if it did not answer in time."""
     try:
-        return ray.get(actor.claim.remote(os.getpid()), timeout=CLAIM_TIMEOUT_S)
+        return ray.get(actor.claim.remote(*_claimant()), timeout=CLAIM_TIMEOUT_S)
     except GetTimeoutError:
         return None
 

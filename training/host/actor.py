@@ -18,6 +18,7 @@ from training.config import RunConfig
 from training.events import Event, FromHost
 from training.host.output import drop_gloo_chatter, sent_to
 from training.host.preemption import NoticeSource, Preemption
+from training.host.release import leave_jax_cluster
 from training.host.serve import serve
 from training.parallel.mesh import MeshShape
 
@@ -28,31 +29,69 @@ DRIVER_WATCH_SECONDS = 1.0
 # Two threads: `request_stop` must run while `train` is busy.
 @ray.remote(max_concurrency=2)
 class HostActor:
-    def __init__(self, host_index: int, num_hosts: int, platform: str):
+    def __init__(
+        self, host_index: int, num_hosts: int, platform: str, held_by: tuple | None = None
+    ):
         self.host_index = host_index
         self.num_hosts = num_hosts
         self.platform = platform
         self.preemption = Preemption()
         self._port_reservation: socket.socket | None = None
         self._claim = threading.Lock()
-        self._claimed = False
+        self._driver_pid: int | None = None  # the run's that claimed this standby host
+        self._relayed = False  # whether this host sends what it prints (see `train`)
         self._begun = threading.Event()  # see `train`'s `held`
+        self._home = os.getcwd()
+        self._watch = threading.Thread(target=self._end_with_driver, name="driver-watch")
+        self._watch.daemon = True
         # While the driver still gathers the hosts and runs its checks: importing touches no
         # device, so `jax.distributed.initialize` still comes first.
         self._imports = threading.Thread(target=_import_libraries, name="imports", daemon=True)
         self._imports.start()
+        if held_by is not None:  # a standby host started for a run (`claim`'s arguments)
+            self.claim(*held_by)
 
-    def claim(self, driver_pid: int) -> bool:
+    def claim(self, driver_pid: int, job_id: str) -> bool:
         """A standby host (`training.driver.standby_hosts`): True for the first run that asks,
-        whose driver (a process on this machine) this host then ends with; False after."""
+        whose driver (a process on this machine, of Ray job `job_id`) this host then ends
+        with, unless the run releases it first; False while a run holds it."""
         with self._claim:
-            if self._claimed:
+            if self._driver_pid is not None:
                 return False
-            self._claimed = True
-        threading.Thread(
-            target=_end_with, args=(driver_pid,), name="driver-watch", daemon=True
-        ).start()
+            self._driver_pid = driver_pid
+        self._relayed = job_id != ray.get_runtime_context().get_job_id()
+        if not self._watch.is_alive():
+            self._watch.start()
         return True
+
+    def end_unless_held(self) -> None:
+        """End this process unless a run holds it (a standby host no run needs)."""
+        with self._claim:
+            if self._driver_pid is None:
+                ray.actor.exit_actor()
+
+    def held(self) -> bool:
+        """Whether a run holds this host (for a standby host: claimed, not yet released)."""
+        return self._driver_pid is not None
+
+    def release(self) -> None:
+        """A standby host again, for the next run to claim: out of the run's `jax.distributed`
+        cluster (with every host of it at once), with no JAX backend, Keras state or user
+        module of the run left."""
+        leave_jax_cluster(self._home)
+        self.preemption = Preemption()
+        self._begun.clear()
+        with self._claim:
+            self._driver_pid = None
+
+    def _end_with_driver(self) -> None:
+        """A detached actor outlives its driver: end this process once the driver of the run
+        that holds it has ended."""
+        while True:
+            pid = self._driver_pid
+            if pid is not None and not process_running(pid):
+                os._exit(1)
+            time.sleep(DRIVER_WATCH_SECONDS)
 
     def imported(self) -> None:
         """Return once the libraries are imported."""
@@ -141,9 +180,9 @@ class HostActor:
         def send(event: Event) -> None:
             inbox.put(FromHost(self.host_index, event))
 
-        # A standby host was started by an earlier run's job, whose driver Ray streams its
-        # output to.
-        output = sent_to(send) if self._claimed else None
+        # A standby host started by another job (an earlier run's): Ray streams what it
+        # prints to that job's driver.
+        output = sent_to(send) if self._relayed else None
         drained = _node_drained(ray.get_runtime_context().get_node_id())
         begun = self._begun if held else None
         return serve(self.host_index, cfg, mesh, send, self.preemption, output, [drained], begun)
@@ -167,13 +206,6 @@ def _tpu_worker_id(context) -> int | None:
     """This node's TPU worker id within its slice: Ray's node label, else libtpu's env."""
     found = context.get_node_labels().get("ray.io/tpu-worker-id") or os.environ.get("TPU_WORKER_ID")
     return int(found) if found not in (None, "") else None
-
-
-def _end_with(pid: int) -> None:
-    """A detached actor outlives its driver: end this process once the driver's has ended."""
-    while process_running(pid):
-        time.sleep(DRIVER_WATCH_SECONDS)
-    os._exit(1)
 
 
 def process_running(pid: int) -> bool:
