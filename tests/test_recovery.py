@@ -419,7 +419,8 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     step 3 one host is killed and, as a node lost for good would, its CPU is taken (by an
     actor queued before the run could ask for a replacement). No fifth host can be
     placed within fault.replace_timeout_s, so the run goes on from the newest checkpoint on
-    2 hosts with trainer.accumulate=2. Then the CPU is given back, as a node joining would:
+    2 hosts with trainer.accumulate=2, in the 2 processes the run started as spares once
+    training was under way. Then the CPU is given back, as a node joining would:
     the 2 hosts checkpoint at the next step all reach, and the run grows back to 4 hosts
     with trainer.accumulate=1 from that checkpoint. Each loss, on 4 hosts, on 2, on 4 again,
     is plain Keras' on one device with the whole batch."""
@@ -479,6 +480,8 @@ def test_a_lost_host_with_no_room_for_another_leaves_half_the_hosts_training_unt
     # their first step until the wait ended.
     phases = failure["recovery_phases"]
     assert phases["jax_cluster_joined"] <= phases["replacement_awaited"] < phases["first_step"]
+    # Their processes were the spares started while the 4 trained, libraries imported.
+    assert failure["spare_processes"] == 2
     # Every logged step's rows were checked, on 4 hosts, on 2, then on 4; a step logged
     # before the kill, after the newest checkpoint, is trained (and checked) again after the
     # resume.

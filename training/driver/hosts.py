@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from training.config import IN_PROCESS, ClusterConfig, RunConfig
+from training.config import IN_PROCESS, ClusterConfig, LocalClusterConfig, RunConfig
 from training.driver.failures import FailedHost, HostFailure
 from training.events import FromHost
 from training.parallel.mesh import MeshShape
@@ -81,6 +81,23 @@ def request_hosts(
     from training.driver.placement import RayHostGroup
 
     return RayHostGroup.request(cluster, startup_timeout_s, claim_standby)
+
+
+def start_spare_processes(cluster: ClusterConfig) -> None:
+    """The processes of a group of `cluster`'s hosts started now, their libraries imported,
+    holding no resources, for a later `request_hosts(..., claim_standby=True)` to take
+    (`training.driver.standby_hosts`). Only a local run has them: a spare process elsewhere
+    could be on another node than its host's."""
+    if not has_spare_processes(cluster):
+        return
+    from training.driver.placement import start_spare_processes as start
+
+    start(cluster)
+
+
+def has_spare_processes(cluster: ClusterConfig) -> bool:
+    """Whether `start_spare_processes` starts any for `cluster`'s hosts."""
+    return isinstance(cluster, LocalClusterConfig)
 
 
 def request_returning_hosts(cluster: ClusterConfig, held: int):

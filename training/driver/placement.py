@@ -355,6 +355,13 @@ def _describe_failure(host: int, error: Exception, output_dir: Path) -> str:
     return describe_raised(host, error.cause, str(error), output_dir)
 
 
+def start_spare_processes(cluster: ClusterConfig) -> None:
+    """A standby host for each of `cluster`'s hosts (local: one node), started now where none
+    stands, for a later group of these hosts to claim (`claim_standby`)."""
+    for host, env in enumerate(host_environments(cluster)):
+        standby_hosts.start_unclaimed(host, cluster.hosts, cluster.platform, env)
+
+
 def host_environments(cluster: ClusterConfig) -> list[dict[str, str]]:
     """Each host's environment: local GPU hosts get their own GPUs as CUDA_VISIBLE_DEVICES;
     on a Ray cluster Ray sets it from the `GPU` count the actor holds."""

@@ -48,10 +48,17 @@ class Restarts:
                 "recovery_seconds": None,
                 # Whether a spare group, requested while the failed one trained, takes over.
                 "spare_group": spare,
+                # fault.elastic: the fresh group's hosts whose processes were started before
+                # the failure (their libraries imported), holding no resources.
+                "spare_processes": 0,
                 "recovery_phases": {"failed_group_stopped": time.monotonic() - failure.noticed},
                 "_detected": failure.noticed,
             }
         )
+
+    def took_spare_processes(self, count: int) -> None:
+        """The latest restart's fresh group took `count` spare processes."""
+        self.records[-1]["spare_processes"] = count
 
     def reached(self, phase: str) -> None:
         """The fresh host group of the latest restart reached `phase`, if still recovering."""

@@ -17,6 +17,7 @@ with the instance (`ray stop`) or when a later run of other hosts replaces them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -82,11 +83,15 @@ def leave(hosts: int, platform: str, envs: list[dict[str, str]]) -> int:
         if name not in wanted:
             _end_unclaimed(name)
     for host, env in enumerate(envs if platform not in REUSABLE_PLATFORMS else []):
-        try:
-            _start(host, hosts, platform, env)
-        except ActorAlreadyExistsError:
-            continue
+        start_unclaimed(host, hosts, platform, env)
     return len(set(wanted) & set(standing()))
+
+
+def start_unclaimed(host: int, hosts: int, platform: str, env: dict[str, str]) -> None:
+    """Host `host` of `hosts` in `env`, started as a standby host for a run to claim, unless
+    one stands already."""
+    with contextlib.suppress(ActorAlreadyExistsError):
+        _start(host, hosts, platform, env)
 
 
 def _start(host: int, hosts: int, platform: str, env: dict[str, str], held_by: tuple | None = None):

@@ -27,9 +27,11 @@ from training.driver.elastic import Sized, described, grown_back, mesh_change, s
 from training.driver.failures import FailedHost, HostFailure
 from training.driver.hosts import (
     HostGroup,
+    has_spare_processes,
     hosts_reachable,
     request_hosts,
     request_returning_hosts,
+    start_spare_processes,
 )
 from training.driver.logs import RunLog
 from training.driver.metrics import MetricsLog, Throughput
@@ -107,6 +109,8 @@ class Supervisor:
         # fault.elastic: a shrunk group readied while a replacement was awaited, trained held
         # before its first step (`_replacement_or_fewer_hosts`).
         self.held: HostGroup | None = None
+        # fault.elastic: the hosts of the group whose processes `_request_spare` started.
+        self.spare_processes_for: int | None = None
 
     def run(self) -> dict:
         """Train to the end and return the summary; on failure, write it and re-raise."""
@@ -211,7 +215,7 @@ class Supervisor:
             if group is None:
                 raise
             return group
-        readied = self._request_group_of(shrunk.cfg.cluster)
+        readied = self._request_group_of(shrunk.cfg.cluster, spare_processes=True)
         try:
             room = self._room_for_a_replacement(readied, shrunk)
         except BaseException:
@@ -224,7 +228,9 @@ class Supervisor:
             group = self._placed_in_time(self.cfg.cluster)
             if group is not None:
                 return group
-            readied = self._request_group_of(shrunk.cfg.cluster)  # the room was taken meanwhile
+            # the room was taken meanwhile
+            readied = self._request_group_of(shrunk.cfg.cluster, spare_processes=True)
+        self.restarts.took_spare_processes(readied.from_standby)
         self.log.line(
             "elastic: no replacement host placed within fault.replace_timeout_s="
             f"{self.cfg.fault.replace_timeout_s:g}s; going on with fewer hosts"
@@ -453,15 +459,32 @@ class Supervisor:
         started and libraries imported: a restart then skips most of a host's start. Where
         the cluster has no room for it, it is placed when the failed group leaves. An elastic
         run keeps none: the capacity a failed group leaves must go to the replacement asked
-        for then, within fault.replace_timeout_s, or to a smaller group."""
-        if self.next_group is None and self.restarts.left() and not self.cfg.fault.elastic:
+        for then, within fault.replace_timeout_s, or to a smaller group. On a local instance
+        it starts instead the processes of the smaller group, which hold no resources."""
+        if self.next_group is not None or not self.restarts.left():
+            return
+        if not self.cfg.fault.elastic:
             self.next_group = self._request_group()
+            return
+        fewer = self._shrunk()
+        if fewer is not None and self.spare_processes_for != fewer.checked.hosts:
+            self.spare_processes_for = fewer.checked.hosts
+            start_spare_processes(fewer.cfg.cluster)
+
+    def _shrunk(self) -> Sized | None:
+        """The run on fewer hosts, one lost; None where it cannot shrink."""
+        try:
+            return shrink(self.cfg, self.checked, self.checked.hosts - 1)
+        except HostFailure:
+            return None
 
     def _request_group(self) -> HostGroup:
         return self._request_group_of(self.cfg.cluster)
 
-    def _request_group_of(self, cluster) -> HostGroup:
-        return request_hosts(cluster, self.cfg.fault.startup_timeout_s)
+    def _request_group_of(self, cluster, spare_processes: bool = False) -> HostGroup:
+        """`spare_processes`: its hosts' processes taken where `_request_spare` started them."""
+        claim = spare_processes and has_spare_processes(cluster)
+        return request_hosts(cluster, self.cfg.fault.startup_timeout_s, claim)
 
     def _check_same_data(self, host: int, fingerprint: str) -> None:
         if fingerprint != self.checked.data_spec.fingerprint:
