@@ -25,9 +25,13 @@ os.environ["KERAS_BACKEND"] = "jax"
 use_emulator_credentials()
 # The test run's own cache directory, so JAX's compilation cache (trainer.compile_cache_dir's
 # default, under $XDG_CACHE_HOME) is neither the user's nor another test run's; the Ray
-# instances and CLI processes the tests start inherit it.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="training-tests-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# instances and CLI processes the tests start inherit it, and so do pytest-xdist's workers
+# (started after this ran in the controller): a step one worker's test compiled, the other's
+# loads.
+if "TRAINING_TESTS_CACHE" not in os.environ:
+    os.environ["TRAINING_TESTS_CACHE"] = tempfile.mkdtemp(prefix="training-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["TRAINING_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["TRAINING_TESTS_CACHE"]
 # Ray's own directory per pytest-xdist worker: a run finds the local instance to join by the
 # address file there, and must find its own worker's, not another worker's.
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
