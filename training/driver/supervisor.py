@@ -109,7 +109,8 @@ class Supervisor:
         # fault.elastic: a shrunk group readied while a replacement was awaited, trained held
         # before its first step (`_replacement_or_fewer_hosts`).
         self.held: HostGroup | None = None
-        # fault.elastic: the hosts of the group whose processes `_request_spare` started.
+        # fault.elastic: the hosts of the run when `_request_spare` last started the
+        # processes of the group it would shrink to (once per number of hosts).
         self.spare_processes_for: int | None = None
 
     def run(self) -> dict:
@@ -466,9 +467,10 @@ class Supervisor:
         if not self.cfg.fault.elastic:
             self.next_group = self._request_group()
             return
-        fewer = self._shrunk()
-        if fewer is not None and self.spare_processes_for != fewer.checked.hosts:
-            self.spare_processes_for = fewer.checked.hosts
+        if self.spare_processes_for == self.checked.hosts:  # started for these hosts
+            return
+        self.spare_processes_for = self.checked.hosts
+        if (fewer := self._shrunk()) is not None:
             start_spare_processes(fewer.cfg.cluster)
 
     def _shrunk(self) -> Sized | None:
