@@ -9,12 +9,17 @@ backward (dkv), walk their blocks as their `MaskInfo` says, and take it as ordin
 (scalar prefetch): `block_mask` (0: skip the block) and `data_next` (the block to have in
 memory at each step). Here both are built in JAX from each row's segment ids, from the
 static mask's own blocks: a block pair is computed where the static mask computes it and the
-query block's and key block's ranges of segment ids overlap. Padding (id 0) ranks after
-every example. Where ids rise along a row (packed rows: 1, 2, ..., then padding) a key block
-before a query block shares a segment with it exactly when its last id is the query block's
-first, so the ranges name exactly the blocks that hold a (query, key) pair of one segment;
-in any other order they name those and possibly more, never fewer. Each computed block
-applies the causal mask and the segment ids to every position, as without skipping.
+query block's and key block's ranges of ranks overlap. An example's rank is twice its id,
+padding's (id 0) one more than the example's before it, so padding between two examples
+(data.pack_tile's tile tails) ranks between them. Where ids rise along a row (packed rows:
+1, 2, ..., padding after any of them) a key block before a query block shares a rank with it
+exactly when its last rank is the query block's first, so the ranges name exactly the blocks
+that hold a (query, key) pair of one example, or of one run of padding; in any other order
+they name those and possibly more. Each computed block applies the causal mask and the
+segment ids to every position, as without skipping. So an example's queries see what they
+see without skipping; a padding query, which no loss weight reads and no example's query
+attends, sees at least its own run of padding up to itself, and not padding elsewhere in the
+row that a skipped block holds.
 
 A skipped step's `data_next` names the next computed block in the kernel's order of steps
 (the forward walks key blocks within a query block, the dkv kernel query blocks within a key
@@ -28,16 +33,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Where padding (segment id 0) ranks among a row's examples: after all of them.
-PADDING_RANK = jnp.iinfo(jnp.int32).max
-
 
 def needed_blocks(segments, static_block_mask, block: int):
     """(q blocks, kv blocks) booleans: the block pairs that hold a query and a key of one
     segment (as the module's docstring says) among those `static_block_mask` (q blocks, kv
     blocks, 0 where the static mask sees nothing) computes; `segments` (seq,) of one row."""
-    ranks = jnp.where(segments == 0, PADDING_RANK, segments.astype(jnp.int32))
-    ranks = ranks.reshape(-1, block)
+    ids = segments.astype(jnp.int32)
+    ranks = jnp.where(ids == 0, 2 * jax.lax.cummax(ids, axis=0) + 1, 2 * ids).reshape(-1, block)
     low, high = ranks.min(axis=1), ranks.max(axis=1)
     overlap = (low[:, None] <= high[None, :]) & (high[:, None] >= low[None, :])
     return overlap & (static_block_mask != 0)
