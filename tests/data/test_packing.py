@@ -15,7 +15,8 @@ from tests.data.test_file_data import stream  # noqa: E402
 from tests.hub_presets import write_instructions, write_preset  # noqa: E402
 from training.config import ConfigError  # noqa: E402
 from training.data import build_dataset  # noqa: E402
-from training.data.packing import first_fit  # noqa: E402
+from training.data.packing import best_fit  # noqa: E402
+from training.models.building import build_model  # noqa: E402
 from training.run import run_training  # noqa: E402
 
 SEQ = 64
@@ -47,24 +48,44 @@ def dataset(files, pack: bool = True):
     return build_dataset(run_config(overrides(files, f"data.pack={pack}")).data)
 
 
-def test_first_fit_puts_each_example_once_in_windows_that_hold_it():
+def test_best_fit_puts_each_example_once_in_windows_that_hold_it():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 40, 500)
     lengths[7] = 300  # longer than a window: cut to it
     order = rng.permutation(500)
-    windows = first_fit(order, lengths, 100)
+    windows = best_fit(order, lengths, 100)
     np.testing.assert_array_equal(np.sort(windows.members), np.arange(500))
     held = [np.minimum(lengths[windows.of(w)], 100).sum() for w in range(len(windows))]
     assert max(held) <= 100 and windows.positions == sum(held)
-    assert np.mean(held) > 90  # first fit over the open windows leaves little room
+    assert np.mean(held) > 90  # best fit over the open windows leaves little room
     assert windows.of(next(w for w in range(len(windows)) if 7 in windows.of(w))).tolist() == [7]
 
 
-def test_each_packed_example_is_the_unpacked_one(files):
+def test_in_tiles_no_example_crosses_into_the_next_tile_and_a_longer_one_starts_one():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 120, 600)
+    order = rng.permutation(600)
+    windows = best_fit(order, lengths, 448, tile=128)  # the last tile is 64 positions
+    np.testing.assert_array_equal(np.sort(windows.members), np.arange(600))
+    assert windows.positions == lengths.sum()
+    held = 0
+    for w in range(len(windows)):
+        starts, ends = windows.starts_of(w), windows.starts_of(w) + lengths[windows.of(w)]
+        assert (np.diff(starts) > 0).all() and (ends[:-1] <= starts[1:]).all() and ends[-1] <= 448
+        short = lengths[windows.of(w)] <= 128
+        assert ((starts[short] // 128) == ((ends[short] - 1) // 128)).all()
+        assert (starts[~short] % 128 == 0).all()
+        held += ends.sum() - starts.sum()
+    assert held / (448 * len(windows)) > 0.8  # the tiles' tails cost some room
+
+
+@pytest.mark.parametrize("tile", [0, 16])
+def test_each_packed_example_is_the_unpacked_one(files, tile):
     """Held-out examples (file order in both): every segment of every packed row equals the
     unpacked dataset's row of that example: tokens, labels, loss weights (prompt and
-    padding weigh 0)."""
-    packed, unpacked = dataset(files), dataset(files, pack=False)
+    padding weigh 0); in tiles of 16 positions too (examples longer than one among them)."""
+    config = run_config(overrides(files, "data.pack=true", f"data.pack_tile={tile}")).data
+    packed, unpacked = build_dataset(config), dataset(files, pack=False)
     count = unpacked.spec.held_out_examples
     x, y, weights = unpacked.batch("held_out", 0, count, slice(0, count))
     rows = packed.spec.held_out_examples
@@ -96,6 +117,26 @@ def test_an_epoch_of_packed_rows_holds_every_example_once_and_the_figures_count_
     assert data.spec.tokens_per_row == pytest.approx(x["padding_mask"].sum() / rows)
     assert data.spec.tokens_per_row > 0.8 * SEQ  # packed: little padding
     assert dataset(files, pack=False).spec.tokens_per_row is None
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_the_spec_names_the_tile_all_examples_lie_within_and_the_model_keeps_it(files, tile):
+    """The longest example here has 23 positions: within tiles of 32, not of 16; the model
+    built for the data (whose attention then takes each tile as a row) keeps the tile."""
+    config = run_config(overrides(files, "data.pack=true", f"data.pack_tile={tile}"))
+    data = build_dataset(config.data)
+    rows = data.spec.examples
+    x, _, _ = data.batch("train", 0, rows, slice(0, rows))
+    longest = max(np.bincount(s[s != 0]).max() for s in x["segment_ids"])
+    within = tile if longest <= tile else 0
+    assert data.spec.example_tile == within
+    assert build_model(config.model, data.spec).example_tile == within
+
+
+@pytest.mark.parametrize("platform, tile", [("tpu", 512), ("gpu", 0)])
+def test_pack_tile_settles_to_the_fused_kernels_tile_on_tpu_alone(files, platform, tile):
+    cluster = ["cluster=ray", f"cluster.platform={platform}", "model.seq_len=2048"]
+    assert run_config(overrides(files, "data.pack=true", *cluster)).data.pack_tile == tile
 
 
 def test_a_resumed_run_reads_the_windows_an_uninterrupted_one_would(files):

@@ -38,6 +38,7 @@ from training.config.data import (
     SyntheticDataConfig,
     TextDataConfig,
     TokenDataConfig,
+    packed_row_tile,
 )
 from training.config.export import (
     EXPORT_FILE,
@@ -257,7 +258,7 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
     resolve = {LocalClusterConfig: resolve_local, InProcessClusterConfig: resolve_in_process}
     run = settled_hardware(run)
     if type(cluster) not in resolve:
-        return _with_device_memory(run, _slice_device_memory_gb(cluster))
+        return _with_device_memory(_with_pack_tile(run), _slice_device_memory_gb(cluster))
     gpus = discover_gpus() if cluster.platform in ("auto", "gpu") else []
     chips = count_tpu_chips() if cluster.platform in ("auto", "tpu") else 0
     settled = resolve[type(cluster)](cluster, gpus, chips)
@@ -267,7 +268,16 @@ def settled_for_this_machine(run: RunConfig) -> RunConfig:
         "driver's own process, and a lost host is the driver lost; restarts need cluster=local "
         "or cluster=ray",
     )
-    return _with_device_memory(replace(run, cluster=settled), _device_memory_gb(settled, gpus))
+    settled_run = _with_pack_tile(replace(run, cluster=settled))
+    return _with_device_memory(settled_run, _device_memory_gb(settled, gpus))
+
+
+def _with_pack_tile(run: RunConfig) -> RunConfig:
+    """data.pack_tile settled where it is -1: the fused kernel's tile on TPU, else 0."""
+    if getattr(run.data, "pack_tile", 0) != -1:
+        return run
+    tile = packed_row_tile(run.data.seq_len) if run.cluster.platform == "tpu" else 0
+    return replace(run, data=replace(run.data, pack_tile=tile))
 
 
 def settled_hardware(run: RunConfig) -> RunConfig:

@@ -23,8 +23,36 @@ class SyntheticDataConfig:
         require_positive(self, "data", ("features", "classes", "examples", "held_out_examples"))
 
 
+# Splash attention's tiles for packed rows (training/models/attention.py takes the largest that
+# divides the row and skips the tile pairs no example shares, training/models/segment_blocks.py).
+PACKED_ROW_TILES = (512, 256, 128)
+
+
+def packed_row_tile(seq_len: int) -> int:
+    """The fused kernel's tile on TPU for packed rows of `seq_len` positions; 0 where the row
+    is one tile (nothing to skip) or no tile divides it (no fused kernel)."""
+    return next((t for t in PACKED_ROW_TILES if seq_len % t == 0 and t < seq_len), 0)
+
+
 @dataclass
-class TextDataConfig:
+class PackTileConfig:
+    """`data.pack_tile`, of the datasets that pack rows (`data.pack`): the tiles a packed row
+    is cut into, so that an example no longer than one never crosses into the next
+    (training/data/packing.py). -1 settles, with the cluster, to `packed_row_tile` on TPU and
+    to 0 elsewhere (rows packed tight: no kernel there skips tiles)."""
+
+    pack_tile: int = -1
+
+    def require_pack_tile(self) -> None:
+        require(
+            self.pack_tile >= -1,
+            f"data.pack_tile={self.pack_tile} must be -1 (the platform's), 0 (no tiles) or a "
+            "tile's positions",
+        )
+
+
+@dataclass
+class TextDataConfig(PackTileConfig):
     """Byte-level text from files already on every host (Python's standard library by default)."""
 
     name: str = "text"
@@ -39,6 +67,7 @@ class TextDataConfig:
 
     def __post_init__(self) -> None:
         require(self.seq_len >= 1, "data.seq_len must be >= 1")
+        self.require_pack_tile()
         require(0 < self.held_out_percent < 100, "data.held_out_percent must be between 0 and 100")
 
 
@@ -76,7 +105,7 @@ TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 
 
 @dataclass
-class TokenDataConfig(FileDataConfig):
+class TokenDataConfig(FileDataConfig, PackTileConfig):
     """A flat binary file of token ids (nanoGPT's train.bin), read as windows."""
 
     what_path_names: ClassVar[str] = "a binary file of token ids"
@@ -100,6 +129,7 @@ class TokenDataConfig(FileDataConfig):
         )
         require(self.seq_len >= 1, "data.seq_len must be >= 1")
         require(self.vocab_size >= 0, "data.vocab_size must be >= 0 (0: unknown)")
+        self.require_pack_tile()
         require(
             not self.pack or self.document_end >= 0,
             "data.pack=true with data=tokens needs data.document_end: the token id that ends "
@@ -119,7 +149,7 @@ class TokenDataConfig(FileDataConfig):
 
 
 @dataclass
-class JsonlDataConfig(FileDataConfig):
+class JsonlDataConfig(FileDataConfig, PackTileConfig):
     """Text in a JSON-lines file, one example a line, tokenized on the hosts by a keras-hub
     preset's own tokenizer."""
 
@@ -144,6 +174,7 @@ class JsonlDataConfig(FileDataConfig):
         )
         require(bool(self.field or self.prompt_field), "data.field must name the text's field")
         require(self.seq_len >= 2, "data.seq_len must be >= 2")
+        self.require_pack_tile()
         require(
             bool(self.tokenizer),
             "data=jsonl needs a tokenizer: model=hub with model.preset=<a keras-hub preset "

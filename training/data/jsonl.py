@@ -29,7 +29,7 @@ import numpy as np
 from training.config import ConfigError, JsonlDataConfig
 from training.contracts import ArraySpec, DataSpec
 from training.data import EpochOrder, ShuffledSplits, sampled_fingerprint
-from training.data.packing import OPEN_WINDOWS, Windows, pack, packed_rows
+from training.data.packing import OPEN_WINDOWS, Windows, example_tile, pack, packed_rows
 from training.data.record_examples import TextExamples
 from training.data.storage import BucketArray, newlines, open_flat
 
@@ -113,6 +113,7 @@ class JsonlText(ShuffledSplits):
             sample_weight=ArraySpec((self.seq_len,), "float32"),
             examples_per_row=len(train.starts) / len(packed) if packed else 1.0,
             tokens_per_row=packed.positions / len(packed) if packed else None,
+            example_tile=example_tile(packed, held_out.windows) if packed else 0,
         )
 
     def _pack(self, split: str) -> None:
@@ -124,7 +125,9 @@ class JsonlText(ShuffledSplits):
         for begin in range(0, count, TOKENIZED_AT_ONCE):
             examples = list(range(begin, min(begin + TOKENIZED_AT_ONCE, count)))
             positions[examples] = [len(t) - 1 for t, _ in self._sequences(split, examples)]
-        part.windows, part.order = pack(positions, self.seq_len, self.cfg.seed, split == "train")
+        part.windows, part.order = pack(
+            positions, self.seq_len, self.cfg.seed, split == "train", self.cfg.pack_tile
+        )
 
     def _fingerprint(self) -> str:
         fields = (self.cfg.field, self.cfg.prompt_field, self.cfg.response_field)
@@ -138,7 +141,7 @@ class JsonlText(ShuffledSplits):
             )
         ]
         if self.cfg.pack:
-            parts.append(("packed", OPEN_WINDOWS))
+            parts.append(("packed", OPEN_WINDOWS, self.cfg.pack_tile))
         parts += [
             (split, len(part.starts), int(part.starts[0])) for split, part in self.splits.items()
         ]
@@ -182,10 +185,11 @@ class JsonlText(ShuffledSplits):
         if not self.cfg.pack:
             texts = [self._text_of(self._record(split, e), split, e) for e in ids]
             return self.text_examples.examples([p for p, _ in texts], [t for _, t in texts])
-        members = [self._part(split).windows.of(w).tolist() for w in ids]
+        windows = self._part(split).windows
+        members = [windows.of(w).tolist() for w in ids]
         sequences = iter(self._sequences(split, [e for window in members for e in window]))
-        windows = [[next(sequences) for _ in window] for window in members]
-        return packed_rows(windows, self.seq_len, self.text_examples.tokenizer.pad_token_id)
+        rows = [[(*next(sequences), int(at)) for at in windows.starts_of(w)] for w in ids]
+        return packed_rows(rows, self.seq_len, self.text_examples.tokenizer.pad_token_id)
 
     def _sequences(self, split: str, examples: list[int]) -> list[tuple[list[int], int]]:
         texts = [self._text_of(self._record(split, e), split, e) for e in examples]

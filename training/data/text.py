@@ -101,7 +101,7 @@ class TextCorpus:
             examples=len(train),
             held_out_examples=len(held_out),
             fingerprint=hashlib.sha256(
-                repr(("packed", OPEN_WINDOWS, cfg.seq_len, sizes)).encode()
+                repr(("packed", OPEN_WINDOWS, cfg.pack_tile, cfg.seq_len, sizes)).encode()
                 + self.streams["train"].tobytes()
                 + self.streams["held_out"].tobytes()
             ).hexdigest(),
@@ -110,7 +110,7 @@ class TextCorpus:
                 self.streams["train"], self.streams["held_out"], VOCAB
             ),
             positions_per_example=cfg.seq_len,
-            **train.spec_fields(),
+            **train.spec_fields(held_out),
         )
 
     def window_starts(self, split: str, index: int, batch_size: int, rows: slice) -> np.ndarray:
@@ -144,4 +144,6 @@ def _packed_files(split: str, sizes: list[int], cfg: TextDataConfig) -> PackedDo
             f"data.pack=true: no {split} file under data.root={str(corpus_root(cfg))!r} has "
             "the two bytes a document needs to predict one"
         )
-    return PackedDocuments(ends - sizes, ends, cfg.seq_len, cfg.seed, split == "train")
+    return PackedDocuments(
+        ends - sizes, ends, cfg.seq_len, cfg.seed, split == "train", cfg.pack_tile
+    )

@@ -97,6 +97,9 @@ class TokenData(ShuffledSplits):
             self.splits[split] = _Split(tokens, start, count, windows, order)
         sequence = ArraySpec((cfg.seq_len,), "int32")
         packed = self.splits["train"].packed
+        rows = (
+            packed.spec_fields(self.splits["held_out"].packed) if packed else {"inputs": sequence}
+        )
         self.spec = DataSpec(
             labels=sequence,
             examples=self.splits["train"].windows,
@@ -105,7 +108,7 @@ class TokenData(ShuffledSplits):
             num_classes=cfg.vocab_size or None,
             baseline_loss=None,
             positions_per_example=cfg.seq_len,
-            **(packed.spec_fields() if packed else {"inputs": sequence}),
+            **rows,
         )
 
     def _packed(self, split: str, start: int, count: int, ends: np.ndarray, sources):
@@ -114,7 +117,12 @@ class TokenData(ShuffledSplits):
         ends = ends[(ends >= start) & (ends < start + count)] + 1
         bounds = np.concatenate([[start], ends, [start + count]])
         packed = PackedDocuments(
-            bounds[:-1], bounds[1:], self.seq_len, self.cfg.seed, split == "train"
+            bounds[:-1],
+            bounds[1:],
+            self.seq_len,
+            self.cfg.seed,
+            split == "train",
+            self.cfg.pack_tile,
         )
         if not len(packed):
             path, what = sources[split]
@@ -131,7 +139,7 @@ class TokenData(ShuffledSplits):
             for split, part in self.splits.items()
         ]
         if self.cfg.pack:
-            parts.append(("packed", OPEN_WINDOWS, self.cfg.document_end))
+            parts.append(("packed", OPEN_WINDOWS, self.cfg.document_end, self.cfg.pack_tile))
         arrays = [self.splits["train"].tokens]
         if self.splits["held_out"].tokens is not arrays[0]:
             arrays.append(self.splits["held_out"].tokens)
