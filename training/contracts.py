@@ -106,6 +106,9 @@ class DataSpec:
     # Positions of a row that are not padding, on average, where the dataset knows;
     # None: all `positions_per_example` are counted.
     tokens_per_row: float | None = None
+    # Where above 0, every example of every packed row lies within one tile of this many
+    # positions (data.pack_tile): the model's attention may take each tile as a row.
+    example_tile: int = 0
 
 
 def data_spec_from_dict(values: dict) -> DataSpec:

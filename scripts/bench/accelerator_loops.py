@@ -28,7 +28,8 @@ Targets (issues 35, 43): host loop <= 1.01 x the jit loop (the same attention) a
 x Keras fit (<= 0.333 x at 4096, where fit needs remat and keras-hub's attention as plain
 Keras builds it); MFU >= 0.56 (86 M), >= 0.66 (86 M at 4096), >= 0.60 (302 M), >= 0.58 /
 0.50 / 0.45 (LoRA at 512 / 2048 / 4096, 4NT + attention); packed real tokens/s >= 1.6 x
-unpacked; first step <= 1.05 x. `--loops` runs only the loops named.
+unpacked; first step <= 1.05 x. `--loops` runs only the loops named; `--override key=value`
+(repeatable) adds a config override to every workload (`data.pack_tile=0`: packed tight).
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def as_plain_keras(cfg):
 LOOPS = ("host loop", "jit loop", "keras fit")
 
 
-def run_workload(workload: str, tokens: Path, steps: int, chosen=LOOPS) -> dict:
+def run_workload(
+    workload: str, tokens: Path, steps: int, chosen=LOOPS, overrides: tuple[str, ...] = ()
+) -> dict:
     import jax
     import numpy as np
 
@@ -199,7 +202,7 @@ def run_workload(workload: str, tokens: Path, steps: int, chosen=LOOPS) -> dict:
     from training.data import build_dataset
     from training.models.flops import model_flops_per_example
 
-    cfg = compose_run_config(workload_overrides(workload, tokens, steps))
+    cfg = compose_run_config([*workload_overrides(workload, tokens, steps), *overrides])
     device = jax.devices()[0]
     result = {"workload": workload, "device": device.device_kind, "loops": {}}
     if workload in INSTRUCTION_WORKLOADS:
@@ -306,6 +309,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--first-step", action="store_true")
     parser.add_argument("--loops", default=",".join(LOOPS), help="of: " + ", ".join(LOOPS))
+    parser.add_argument(
+        "--override", action="append", default=[], help="a config override for every workload"
+    )
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -324,7 +330,11 @@ def main() -> None:
         for workload in chosen:
             write = write_instructions if workload in INSTRUCTION_WORKLOADS else write_tokens
             result = run_workload(
-                workload, write(scratch, workload), args.steps, args.loops.split(",")
+                workload,
+                write(scratch, workload),
+                args.steps,
+                args.loops.split(","),
+                tuple(args.override),
             )
             report(result)
             results.append(result)

@@ -14,8 +14,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tests.models.test_hub_attention import VOCABULARY, loss_and_gradients
 from tests.models.test_hub_packing import tiny_task
 from training.config import StrategyConfig
+from training.data.packing import best_fit
 from training.models import hub_attention
-from training.models.attention import Logits, choose, fused_attention, static_splash_kernel
+from training.models.attention import (
+    Logits,
+    choose,
+    fused_attention,
+    static_splash_kernel,
+)
+from training.models.example_tiles import examples_in_tiles
 from training.models.segment_blocks import skipping_kernel
 from training.parallel.mesh import MeshShape, build_distribution, device_grid
 from training.parallel.strategy import Strategy
@@ -33,11 +40,26 @@ def packed_row(rng, seq: int, shortest: int, longest: int) -> np.ndarray:
     return ids
 
 
+def tiled_row(rng, seq: int, tile: int, shortest: int, longest: int) -> np.ndarray:
+    """Segment ids of the first window `best_fit` packs in tiles of `tile` (data.pack_tile)
+    from examples of random lengths: padding between examples, at the tiles' tails."""
+    lengths = rng.integers(shortest, longest + 1, 200)
+    windows = best_fit(np.arange(200), lengths, seq, tile)
+    ids = np.zeros(seq, np.int32)
+    for segment, (at, example) in enumerate(
+        zip(windows.starts_of(0), windows.of(0), strict=True), start=1
+    ):
+        ids[at : at + lengths[example]] = segment
+    return ids
+
+
 def brute_force_blocks(ids: np.ndarray, block: int) -> np.ndarray:
     """(q blocks, kv blocks): whether some query of the block pair sees a key of it, causal
-    and of its own segment, from every (query, key) pair."""
+    and of its own example, or of its own run of padding, from every (query, key) pair."""
     seq = len(ids)
-    sees = np.tril(np.ones((seq, seq), bool)) & (ids[:, None] == ids[None, :])
+    runs = np.cumsum(np.r_[True, ids[1:] != ids[:-1]])
+    apart = np.where(ids == 0, -runs, ids)  # each run of padding an id of its own
+    sees = np.tril(np.ones((seq, seq), bool)) & (apart[:, None] == apart[None, :])
     return sees.reshape(seq // block, block, seq // block, block).any(axis=(1, 3))
 
 
@@ -47,6 +69,7 @@ ROWS = [
 ] + [
     np.zeros(1024, np.int32),  # all padding
     np.r_[np.full(512, 1), np.zeros(512)].astype(np.int32),  # one example and padding
+    tiled_row(np.random.default_rng(4), 1024, 256, 20, 250),  # padding between examples
 ]
 
 
@@ -98,26 +121,51 @@ def jax_attention(query, key, value, ids, window=None):
     return jax.nn.dot_product_attention(query, key, value, mask=same[:, None], implementation="xla")
 
 
-@pytest.mark.parametrize("window", [None, pytest.param(150, marks=pytest.mark.slow)])
-def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
-    """Rows of 640 positions in tiles of 128 (five blocks, most pairs skipped): packed with
-    padding, one of examples in falling order (the ids' ranges then name extra blocks), one
-    of padding only; 4 query heads on 2 key/value heads; causal, or a sliding window (the
-    static mask's own blocks then skip too)."""
+def batch_of_rows(tiled: bool) -> np.ndarray:
+    """Rows of 640 positions for tiles of 128: packed, with padding after the last example,
+    one in falling order, one packed in tiles (data.pack_tile: padding between examples), one
+    of padding only; or, `tiled`, three packed in tiles and the one of padding."""
     rng = np.random.default_rng(0)
-    rows = [packed_row(rng, 640, 20, 200), packed_row(rng, 640, 20, 200)[::-1].copy()]
-    ids = jnp.asarray(np.stack([*rows, np.zeros(640, np.int32)]))
-    assert sum(brute_force_blocks(np.asarray(r), 128).sum() for r in rows) < 2 * 15
+    if tiled:
+        rows = [tiled_row(rng, 640, 128, 5, 128) for _ in range(3)]
+    else:
+        rows = [
+            packed_row(rng, 640, 20, 200),
+            packed_row(rng, 640, 20, 200)[::-1].copy(),
+            tiled_row(rng, 640, 128, 20, 120),
+        ]
+    assert sum(brute_force_blocks(np.asarray(r), 128).sum() for r in rows) < 3 * 15
+    return np.stack([*rows, np.zeros(640, np.int32)])
+
+
+@pytest.mark.parametrize(
+    "window, tiled",
+    [(None, False), (None, True), pytest.param(150, False, marks=pytest.mark.slow)],
+)
+def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window, tiled):
+    """`batch_of_rows` (tiles of 128: five blocks, most pairs skipped), every row's kernel
+    skipping blocks, or, `tiled` (no example crosses a tile, as DataSpec.example_tile says),
+    each tile a row of its own; 4
+    query heads on 2 key/value heads; causal, or a sliding window (the static mask's own
+    blocks then skip too). Padding's outputs are not compared (nothing reads them) and carry
+    no cotangent, as a loss gives them."""
+    rows = batch_of_rows(tiled)
+    crossing = (rows[:, 127:-1:128] == rows[:, 128::128]) & (rows[:, 128::128] != 0)
+    assert crossing.any() != tiled
+    ids = jnp.asarray(rows)
     keys = jax.random.split(jax.random.key(0), 4)
-    shapes = [(3, 640, 4, 16), (3, 640, 2, 16), (3, 640, 2, 16), (3, 640, 4, 16)]
+    shapes = [(4, 640, 4, 16), (4, 640, 2, 16), (4, 640, 2, 16), (4, 640, 4, 16)]
     q, k, v, cotangent = (
         jax.random.normal(key, shape) for key, shape in zip(keys, shapes, strict=True)
     )
+    real = (ids != 0)[:, :, None, None]
+    cotangent = jnp.where(real, cotangent, 0)
     choice = choose("fused", "cpu", "float32", 640, 16)
     assert choice.kernel == "splash" and choice.interpret
 
     def fused(q, k, v):
-        return fused_attention(choice, q, k, v, Logits(16**-0.5, window=window), ids, packed=True)
+        logits = Logits(16**-0.5, window=window)
+        return fused_attention(choice, q, k, v, logits, ids, True, 128 if tiled else 0)
 
     def reference(q, k, v):
         return jax_attention(q, k, v, ids, window)
@@ -127,7 +175,7 @@ def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window):
         return outputs, vjp(cotangent)
 
     got, want = jax.jit(outputs_and_grads, static_argnums=0)(fused), outputs_and_grads(reference)
-    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(jnp.where(real, got[0], 0), jnp.where(real, want[0], 0), atol=1e-5)
     for got_grad, want_grad in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(got_grad, want_grad, atol=1e-4)
 
@@ -170,15 +218,24 @@ def test_on_each_device_of_a_2x4_mesh_the_kernel_skips_and_gives_jaxs_attention(
 
 
 @pytest.mark.slow
-def test_a_keras_hub_llama_on_packed_rows_of_several_tiles_trains_as_with_its_own_attention():
-    """Through hub_attention's fused kernel (segment ids read from keras-hub's packed mask),
-    rows of three tiles skip blocks and give keras-hub's own loss and gradients."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_keras_hub_llama_on_packed_rows_of_several_tiles_trains_as_with_its_own_attention(
+    tiled,
+):
+    """Through hub_attention's fused kernel (the rows' segment ids), rows of three tiles skip
+    blocks, or, `tiled` (a model built for rows whose examples lie in tiles of 128), take
+    each tile as a row, and give keras-hub's own loss and gradients."""
     rng = np.random.default_rng(2)
-    ids = np.stack([packed_row(rng, 384, 20, 150) for _ in range(2)])
+    if tiled:
+        ids = np.stack([tiled_row(rng, 384, 128, 20, 128) for _ in range(2)])
+    else:
+        ids = np.stack([packed_row(rng, 384, 20, 150) for _ in range(2)])
     tokens = rng.integers(1, VOCABULARY, (2, 385)).astype("int32")
     inputs = {"token_ids": tokens[:, :-1], "padding_mask": (ids != 0).astype("int32")}
     data = ({**inputs, "segment_ids": ids}, tokens[:, 1:], (ids != 0).astype("float32"))
-    model = tiny_task("llama")
+    with examples_in_tiles(128 if tiled else 0):
+        model = tiny_task("llama")
+    assert model.example_tile == (128 if tiled else 0)
     (want_loss, want_grads), _ = loss_and_gradients(model, data)
     hub_attention.install(model.task, "fused")
     (got_loss, got_grads), traced = loss_and_gradients(model, data)

@@ -36,6 +36,7 @@ from keras import ops
 from keras.distribution import distribution
 
 from training import keras_compat
+from training.config.data import PACKED_ROW_TILES
 from training.models import segment_blocks
 
 IMPLEMENTATIONS = ("auto", "einsum", "fused")
@@ -54,8 +55,8 @@ SPLASH_BLOCKS = (1024, 512, 256, 128)
 # more. Rows of 2048 packed with examples of 20-500 tokens (the bench's, 99.5 % full) need
 # 3.0 of their 3 causal tile pairs at 1024, 7.0 of 10 at 512, 16.4 of 36 at 256, 43.0 of 136
 # at 128: by the per-tile times above, 0.90, 0.70, 0.71 and 1.05 of 512's time without
-# skipping. The chip decides between 512 and 256 (README, "Sequence packing").
-PACKED_SPLASH_BLOCKS = (512, 256, 128)
+# skipping. 512 was the faster on the chip (README, "Sequence packing"): PACKED_ROW_TILES, beside
+# data.pack_tile, which packs short examples into single tiles of the same size.
 # cuDNN's flash attention: its dtypes and the largest head size every GPU it runs on takes.
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128
@@ -132,10 +133,13 @@ def _cudnn_or_why_not(dtype: str, head_dim: int, soft_cap: bool) -> Choice:
     return Choice("cudnn")
 
 
-def causal_attention(query, key, value, implementation: str = "auto", segments=None):
+def causal_attention(
+    query, key, value, implementation: str = "auto", segments=None, example_tile: int = 0
+):
     """softmax(q kᵀ / √head_dim, causal) v over (batch, seq, heads, head_dim) arrays;
     `segments` (batch, seq) integers or None: a query sees only keys of its own segment
-    (packed documents, padding)."""
+    (packed documents, padding), each within one tile of `example_tile` positions where that
+    is above 0."""
     _, seq, _, head_dim = query.shape
     on = platform()
     choice = causal_choice(
@@ -147,7 +151,8 @@ def causal_attention(query, key, value, implementation: str = "auto", segments=N
         return einsum_attention(query, key, value, segments)
     # The transformer's segments are its packed documents.
     logits = Logits(head_dim**-0.5)
-    return fused_attention(choice, query, key, value, logits, segments, packed=segments is not None)
+    packed = segments is not None
+    return fused_attention(choice, query, key, value, logits, segments, packed, example_tile)
 
 
 def causal_choice(
@@ -165,18 +170,32 @@ def causal_choice(
 
 
 def fused_attention(
-    choice: Choice, query, key, value, logits: Logits, segments=None, packed: bool = False
+    choice: Choice,
+    query,
+    key,
+    value,
+    logits: Logits,
+    segments=None,
+    packed: bool = False,
+    example_tile: int = 0,
 ):
     """Causal attention through the fused kernel `choice` names, on each device's rows and
     heads: query (batch, seq, heads, head_dim); key and value (batch, seq, kv_heads,
     head_dim), kv_heads dividing heads (grouped-query attention, each key and value head
     read by heads / kv_heads query heads in turn, never repeated); `segments` (batch, seq)
     integers or None: a query sees only keys of its own segment (padding, packed examples);
-    `packed`: the rows are packed rows (several examples each)."""
+    `packed`: the rows are packed rows (several examples each), each example within one tile
+    of `example_tile` positions where that is above 0 (DataSpec.example_tile)."""
     if choice.kernel == "cudnn":
         kernel = partial(cudnn_attention, logits=logits)
     else:
-        kernel = partial(splash_attention, logits=logits, interpret=choice.interpret, packed=packed)
+        kernel = partial(
+            splash_attention,
+            logits=logits,
+            interpret=choice.interpret,
+            packed=packed,
+            example_tile=example_tile,
+        )
     return on_each_device(kernel, query, key, value, segments)
 
 
@@ -195,27 +214,66 @@ def einsum_attention(query, key, value, segments=None):
 
 
 def splash_attention(
-    query, key, value, segments=None, *, logits: Logits, interpret=False, packed=False
+    query,
+    key,
+    value,
+    segments=None,
+    *,
+    logits: Logits,
+    interpret=False,
+    packed=False,
+    example_tile: int = 0,
 ):
     """Pallas splash attention, one example's heads per kernel call, mapped over the batch;
     `packed` (rows of several examples, `segments` their ids): in tiles for packed rows, each
-    row's kernel skipping the blocks no segment shares (training/models/segment_blocks.py)."""
+    tile a row of its own where every example lies in one tile of `example_tile` positions
+    (`tiles_as_rows`), else each row's kernel skipping the blocks no segment shares
+    (`skipping_rows`)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     _, seq, heads, _ = query.shape
-    tiles = PACKED_SPLASH_BLOCKS if packed else SPLASH_BLOCKS
+    tiles = PACKED_ROW_TILES if packed else SPLASH_BLOCKS
     block = next(b for b in tiles if seq % b == 0)
+    call = partial(splash_attention, logits=logits, interpret=interpret)
+    if packed and segments is not None and block < seq and not keras_compat.in_symbolic_call():
+        # Keras' shape inference (a stand-in batch of 83 or 89 rows) needs the output's shape
+        # only, and takes the unpacked path below.
+        if example_tile and block % example_tile == 0:
+            return tiles_as_rows(call, query, key, value, segments, block=block)
+        return skipping_rows(query, key, value, segments, block, logits, interpret)
     kernel = static_splash_kernel(seq, heads, block, logits, interpret)
     # The kernel takes (heads, seq, head_dim) and does not scale the scores.
     query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
     if segments is None:
         return jnp.swapaxes(jax.vmap(kernel)(query, key, value), 1, 2)
-    if not packed or block == seq or keras_compat.in_symbolic_call():
-        # Padding alone leaves little to skip and a kernel per row costs compile time (below);
-        # one tile has nothing to skip; Keras' shape inference (a stand-in batch of 83 or 89
-        # rows) needs the output's shape only.
-        ids = splash.SegmentIds(q=segments, kv=segments)
-        return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
+    # Padding alone leaves little to skip and a kernel per row costs compile time
+    # (`skipping_rows`); one tile has nothing to skip.
+    ids = splash.SegmentIds(q=segments, kv=segments)
+    return jnp.swapaxes(jax.vmap(kernel)(query, key, value, ids), 1, 2)
+
+
+def tiles_as_rows(attention, query, key, value, segments, *, block: int):
+    """`attention` (unpacked rows) of rows whose examples each lie in one tile of `block`
+    positions, each tile a row of its own: the attention rows of one tile have, with one
+    static kernel for all, and nothing to skip. Rows of (batch, seq, heads, head_dim) are
+    tiles one after another in memory, so no copy is made."""
+    batch, seq = segments.shape
+
+    def as_tiles(x):
+        return x.reshape(batch * (seq // block), block, *x.shape[2:])
+
+    tiled = attention(*(as_tiles(x) for x in (query, key, value)), as_tiles(segments))
+    return tiled.reshape(batch, seq, *tiled.shape[2:])
+
+
+def skipping_rows(query, key, value, segments, block: int, logits: Logits, interpret: bool):
+    """Splash attention row by row, each row's kernel computing only the block pairs that
+    hold a query and a key of one segment (training/models/segment_blocks.py)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    _, seq, heads, _ = query.shape
+    kernel = static_splash_kernel(seq, heads, block, logits, interpret)
+    query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query * logits.scale, key, value))
     # One kernel call per row, each with its row's blocks. Not `jax.vmap`: Pallas maps a
     # kernel whose block lists differ per row by a loop, and the packed TinyLlama-shape LoRA
     # step (2 rows of 2048 a chip, compiled for a TPU v5e) then held 9.06 GB of temporaries,

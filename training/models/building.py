@@ -8,18 +8,21 @@ from contextlib import contextmanager
 from training.config import ConfigError, ModelConfig
 from training.contracts import BuildModel, DataSpec, VariableInfo
 from training.models.checks import check_inputs
+from training.models.example_tiles import examples_in_tiles
 from training.models.locate import locate
 from training.models.symbolic import describe, symbolic_inputs
 from training.models.weights import load_initial_weights
 
 
 def build_model(cfg: ModelConfig, data_spec: DataSpec):
-    """Call the model's build function and build its variables for the data's inputs."""
+    """Call the model's build function and build its variables for the data's inputs; the
+    built-in models keep the tile the data's packed examples lie within (`examples_in_tiles`)."""
     import keras
 
     build: BuildModel = locate("model.build", cfg.build)
     try:
-        model = build(**cfg.build_kwargs())
+        with examples_in_tiles(data_spec.example_tile):
+            model = build(**cfg.build_kwargs())
     except ConfigError:
         raise
     except Exception as error:

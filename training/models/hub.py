@@ -33,6 +33,7 @@ from training import keras_compat
 from training.config import ConfigError
 from training.contracts import MESH_AXES
 from training.models import hub_attention, hub_packing
+from training.models.example_tiles import example_tile
 
 DATA_AXIS, MODEL_AXIS = MESH_AXES
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
@@ -180,6 +181,7 @@ class HubCausalLM(keras.Model):
         super().__init__(name=f"{task.name}_fed", **kwargs)
         self.task = task
         self.takes_packed = takes_packed
+        self.example_tile = example_tile()  # of the rows it is built for
 
     def call(self, inputs):
         if not isinstance(inputs, dict):
@@ -194,7 +196,8 @@ class HubCausalLM(keras.Model):
                 "data.pack=false"
             )
         unpacked = segments is None or keras_compat.in_symbolic_call()
-        with contextlib.nullcontext() if unpacked else hub_packing.packed(segments):
+        packed = hub_packing.packed(segments, self.example_tile)
+        with contextlib.nullcontext() if unpacked else packed:
             return keras.ops.cast(self.task(fed), "float32")
 
     def save_to_preset(self, preset_dir: str, max_shard_size: float | None = 10) -> None:

@@ -83,10 +83,13 @@ def _fused_or_own(own, form: keras_compat.HubAttention, implementation: str):
         if form.repeated:
             groups = heads // form.kv_heads
             key, value = key[:, :, ::groups], value[:, :, ::groups]
-        segments = None if attention_mask is None else segments_of(attention_mask)
         logits = Logits(form.scale, form.soft_cap, form.window)
-        packed = hub_packing.feeding_packed_rows()
-        return fused_attention(choice, query, key, value, logits, segments, packed)
+        if not hub_packing.feeding_packed_rows():
+            segments = None if attention_mask is None else segments_of(attention_mask)
+            return fused_attention(choice, query, key, value, logits, segments)
+        # The rows' own ids: keras-hub's (batch, seq, seq) mask is then not made at all.
+        segments, tile = hub_packing.packed_rows()
+        return fused_attention(choice, query, key, value, logits, segments, True, tile)
 
     return compute
 

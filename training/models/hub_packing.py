@@ -45,10 +45,11 @@ def install(task) -> bool:
 
 
 @contextmanager
-def packed(segment_ids):
+def packed(segment_ids, example_tile: int = 0):
     """The model's layers called inside read `segment_ids` (batch, seq) as the rows'
-    examples: example k of a row is k, padding 0."""
-    token = _segments.set(segment_ids)
+    examples: example k of a row is k, padding 0; each within one tile of `example_tile`
+    positions where that is above 0 (DataSpec.example_tile)."""
+    token = _segments.set((segment_ids, example_tile))
     try:
         yield
     finally:
@@ -60,10 +61,17 @@ def feeding_packed_rows() -> bool:
     return _segments.get() is not None
 
 
+def packed_rows():
+    """(segment ids, example tile) of the packed rows the model is being called on (inside
+    `packed`)."""
+    return _segments.get()
+
+
 def _kept_apart(own):
     def mask(*args, **kwargs):
         found = own(*args, **kwargs)
-        segments = _segments.get()
+        rows = _segments.get()
+        segments = None if rows is None else rows[0]
         if segments is None or tuple(found.shape[1:]) != (segments.shape[1],) * 2:
             return found
         same = ops.equal(segments[:, :, None], segments[:, None, :])

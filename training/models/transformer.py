@@ -27,6 +27,7 @@ from keras import ops
 
 from training.contracts import LayoutRules
 from training.models.attention import Choice, causal_attention, causal_choice
+from training.models.example_tiles import example_tile
 
 RULES: LayoutRules = {
     r"(token_embedding|lm_head)/embeddings": ("model", None),
@@ -124,6 +125,7 @@ class CausalSelfAttention(keras.layers.Layer):
         self.heads = heads
         self.head_dim = head_dim
         self.attention = attention
+        self.example_tile = example_tile()
 
     def get_config(self):
         return {
@@ -161,7 +163,7 @@ class CausalSelfAttention(keras.layers.Layer):
     def call(self, x, segments=None):
         """`segments` (batch, seq), where given: no query sees another segment's keys."""
         query, key, value = ops.unstack(self.qkv(x), 3, axis=2)
-        attended = causal_attention(query, key, value, self.attention, segments)
+        attended = causal_attention(query, key, value, self.attention, segments, self.example_tile)
         return self.attention_output(attended)
 
 
