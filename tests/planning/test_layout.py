@@ -13,9 +13,10 @@ from training.build import build_on_grid, describe_variables
 from training.driver.checked import with_layout
 from training.driver.preflight import preflight
 from training.models import rule_axes, split_size
-from training.parallel.mesh import device_grid
+from training.parallel.mesh import MeshShape, device_grid
 from training.plan import make_plan
 from training.planning import auto_layout
+from training.planning.tensor_parallel import output_rules
 
 TWO_HOSTS = ["cluster.hosts=2", "cluster.devices_per_host=4", "model=mlp"]
 
@@ -136,3 +137,23 @@ def test_the_plan_derives_each_layout_once(monkeypatch):
     model_axes = {cost.mesh.model for cost in plan.alternatives if "model" in cost.strategy.axes}
     assert model_axes <= set(derived), derived
     assert derived == collections.Counter(set(derived)), f"derived more than once: {derived}"
+
+
+def test_fsdp_holds_the_batch_over_data_where_a_layers_output_outweighs_its_weights():
+    """With no model axis: an output rule (the batch over `data`) for each layer whose output
+    for one example a data shard outweighs its own weights, so that the compiler gathers the
+    weights there rather than the batch; none for a layer whose weights outweigh it, nor for
+    one without weights."""
+    tokens = keras.Input(shape=(256, 64), name="tokens")
+    features = keras.Input(shape=(2048,), name="features")
+    # Output 256 x 192 floats an example (x 16 shards: 3.1 MB), weights 64 x 192 (49 kB).
+    projected = keras.layers.Dense(192, name="projection")(tokens)
+    # Output 8192 floats an example (x 16: 524 kB), weights 2048 x 8192 (67 MB).
+    hidden = keras.layers.Dense(8192, name="wide")(features)
+    normed = keras.layers.LayerNormalization(name="norm")(hidden)
+    activated = keras.layers.Activation("gelu", name="gelu")(projected)
+    model = keras.Model([tokens, features], [activated, normed], name="two_paths")
+
+    rules = output_rules(model, {}, MeshShape(16, 1))
+    assert rules == {r"projection/output": ("data", None, None), r"norm/output": ("data", None)}
+    assert output_rules(model, {}, MeshShape(1, 1)) == {}

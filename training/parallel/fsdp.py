@@ -12,8 +12,10 @@ its gradient then comes back as a sum over the data shards to the weight's shard
 reduce-scatter; XLA:CPU all-reduces and slices). Without that constraint XLA may instead
 re-split the activations over `data` as a second tensor-parallel axis: keras-hub's tiny Llama
 under hybrid 2 x 4 sent 3 x more. Without a model axis the compiler is left to place the
-gathers: an explicit gather keeps each gathered weight for the backward pass, which then
-makes every whole gradient before reducing any. libtpu's compiled step for an 8-layer MLP
+gathers (the layers' outputs held to the batch over `data` where they outweigh the layers'
+weights, `batch_over_data` in training/planning/tensor_parallel.py, so that it gathers the
+weights there): an explicit gather keeps each gathered weight for the backward pass, which
+then makes every whole gradient before reducing any. libtpu's compiled step for an 8-layer MLP
 4096 wide on 4 v5e chips needed 685 MB of temporaries with the gather and 15 MB without.
 
 With a model axis no variant tried brings libtpu's step to the split gradients without
