@@ -137,6 +137,9 @@ def test_the_spec_names_the_tile_all_examples_lie_within_and_the_model_keeps_it(
 def test_pack_tile_settles_to_the_fused_kernels_tile_on_tpu_alone(files, platform, tile):
     cluster = ["cluster=ray", f"cluster.platform={platform}", "model.seq_len=2048"]
     assert run_config(overrides(files, "data.pack=true", *cluster)).data.pack_tile == tile
+    # A row of 512 is one tile of the kernel's: nothing to skip, nothing to tile.
+    one_tile = [*cluster, "model.seq_len=512"]
+    assert run_config(overrides(files, "data.pack=true", *one_tile)).data.pack_tile == 0
 
 
 def test_a_resumed_run_reads_the_windows_an_uninterrupted_one_would(files):

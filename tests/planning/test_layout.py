@@ -154,6 +154,7 @@ def test_fsdp_holds_the_batch_over_data_where_a_layers_output_outweighs_its_weig
     activated = keras.layers.Activation("gelu", name="gelu")(projected)
     model = keras.Model([tokens, features], [activated, normed], name="two_paths")
 
-    rules = output_rules(model, {}, MeshShape(16, 1))
+    rules = output_rules(model, {}, MeshShape(16, 1), shards_over_data=True)
     assert rules == {r"projection/output": ("data", None, None), r"norm/output": ("data", None)}
-    assert output_rules(model, {}, MeshShape(1, 1)) == {}
+    assert output_rules(model, {}, MeshShape(1, 1), shards_over_data=True) == {}
+    assert output_rules(model, {}, MeshShape(16, 1), shards_over_data=False) == {}

@@ -29,9 +29,11 @@ PACKED_ROW_TILES = (512, 256, 128)
 
 
 def packed_row_tile(seq_len: int) -> int:
-    """The fused kernel's tile on TPU for packed rows of `seq_len` positions; 0 where the row
-    is one tile (nothing to skip) or no tile divides it (no fused kernel)."""
-    return next((t for t in PACKED_ROW_TILES if seq_len % t == 0 and t < seq_len), 0)
+    """The fused kernel's tile on TPU for packed rows of `seq_len` positions (the largest of
+    PACKED_ROW_TILES that divides it, as the kernel takes it); 0 where that is the whole row
+    (nothing to skip) or none divides it (no fused kernel)."""
+    tile = next((t for t in PACKED_ROW_TILES if seq_len % t == 0), seq_len)
+    return tile if tile < seq_len else 0
 
 
 @dataclass

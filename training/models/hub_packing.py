@@ -27,8 +27,8 @@ from keras import ops
 
 from training import keras_compat
 
-_segments: contextvars.ContextVar[object | None] = contextvars.ContextVar(
-    "packed_segments", default=None
+_packed_rows: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "packed_rows", default=None
 )
 
 
@@ -49,28 +49,28 @@ def packed(segment_ids, example_tile: int = 0):
     """The model's layers called inside read `segment_ids` (batch, seq) as the rows'
     examples: example k of a row is k, padding 0; each within one tile of `example_tile`
     positions where that is above 0 (DataSpec.example_tile)."""
-    token = _segments.set((segment_ids, example_tile))
+    token = _packed_rows.set((segment_ids, example_tile))
     try:
         yield
     finally:
-        _segments.reset(token)
+        _packed_rows.reset(token)
 
 
 def feeding_packed_rows() -> bool:
     """Whether the model is being called on packed rows (inside `packed`)."""
-    return _segments.get() is not None
+    return _packed_rows.get() is not None
 
 
 def packed_rows():
     """(segment ids, example tile) of the packed rows the model is being called on (inside
     `packed`)."""
-    return _segments.get()
+    return _packed_rows.get()
 
 
 def _kept_apart(own):
     def mask(*args, **kwargs):
         found = own(*args, **kwargs)
-        rows = _segments.get()
+        rows = _packed_rows.get()
         segments = None if rows is None else rows[0]
         if segments is None or tuple(found.shape[1:]) != (segments.shape[1],) * 2:
             return found

@@ -57,7 +57,7 @@ def resolve_layout(strategy: Strategy, mesh: MeshShape, model: ModelKey) -> Layo
         if strategy.shards_over_data:
             rules, overridden = yield_indivisible_data(rules, variables, mesh.data)
         check_layout_rules(rules, variables, mesh)
-    rules = {**rules, **output_rules(keras_model, rules, mesh)}
+    rules = {**rules, **output_rules(keras_model, rules, mesh, strategy.shards_over_data)}
     warnings = []
     if strategy.shards_over_data:
         rules, left_whole = shard_over_data(rules, variables, mesh.data, mesh.model)

@@ -91,7 +91,7 @@ def model_axis_collectives(
     return Derivation(rules, mesh_model, examples, value_bytes).run(*graph)
 
 
-def output_rules(model, rules: Rules, mesh: MeshShape) -> Rules:
+def output_rules(model, rules: Rules, mesh: MeshShape, shards_over_data: bool) -> Rules:
     """An output rule (`<layer>/output`: batch over `data`, split or whole over `model`) for
     each layer with a path whose output `rules` leave to XLA, holding the state this
     derivation finds for it (`Derivation.found_output_rules`), so that the compiled step
@@ -99,9 +99,11 @@ def output_rules(model, rules: Rules, mesh: MeshShape) -> Rules:
     may lay out the activations between two layers differently (keras-hub's Llama rules: the
     residual stream split over `model`, gathered before each projection that reads it whole
     and again for each weight's gradient), and send more than the plan says. With no model
-    axis (fsdp) `batch_over_data` says which outputs keep the batch over `data`."""
+    axis, where the weights are split over `data` (`shards_over_data`: fsdp),
+    `batch_over_data` says which outputs keep the batch over `data`."""
     graph = layer_graph.graph(model)
-    if mesh.data * mesh.model <= 1 or graph is None:
+    fsdp_alone = shards_over_data and mesh.model == 1 and mesh.data > 1
+    if graph is None or not (mesh.model > 1 or fsdp_alone):
         return {}
     paths = layer_graph.layer_paths(model)
     derivation = Derivation(rules, mesh.model, examples=1, value_bytes=4, layer_paths=paths)
@@ -109,7 +111,7 @@ def output_rules(model, rules: Rules, mesh: MeshShape) -> Rules:
     found = derivation.found_output_rules()
     if mesh.model > 1:
         return found
-    return batch_over_data(found, derivation.found_output_bytes, model.weights, mesh.data)
+    return batch_over_data(found, derivation.output_bytes, model.weights, mesh.data)
 
 
 def batch_over_data(found: Rules, output_bytes: dict[str, int], weights, data: int) -> Rules:
@@ -247,7 +249,8 @@ class Derivation:
         # of `layer_paths` whose output no rule lays out (() for an output not batched)
         self.layer_paths = layer_paths
         self.found_outputs: dict[str, set[tuple]] = {}
-        self._output_bytes: dict[str, int] = {}
+        # layer path -> the bytes of its found output (its largest call's)
+        self.output_bytes: dict[str, int] = {}
         # id(KerasTensor) -> a tensor made from the model's batched inputs
         self.batched: dict[int, object] = {}
         # id(KerasTensor) -> an output an output rule lays out (held, so that no tensor traced
@@ -345,7 +348,7 @@ class Derivation:
         key = f"{layer_path}{ACTIVATION_RULE_SUFFIX}"
         self.found_outputs.setdefault(key, set()).add(tuple(axes))
         size = self._bytes(tensor)
-        self._output_bytes[layer_path] = max(self._output_bytes.get(layer_path, 0), size)
+        self.output_bytes[layer_path] = max(self.output_bytes.get(layer_path, 0), size)
 
     def _batched(self, tensor) -> bool:
         """Whether the tensor's first dimension is the batch (a table's or a mask's is not)."""
@@ -364,12 +367,6 @@ class Derivation:
             for key, found in self.found_outputs.items()
             if len(found) == 1 and () not in found
         }
-
-    @property
-    def found_output_bytes(self) -> dict[str, int]:
-        """The bytes of the output (its largest call's) of each layer with a found output, by
-        layer path."""
-        return dict(self._output_bytes)
 
     # -- layers -------------------------------------------------------------------------------
 
