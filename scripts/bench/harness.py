@@ -483,7 +483,7 @@ def jit_loop(model, batches: Callable[[int], tuple], steps: int, accuracy: bool 
     """A hand-written `jax.jit` step (stateless_call, the loss, its gradients,
     stateless_apply; the state donated and kept in its variables' shardings), compiled ahead
     for the first batch and dispatched without waiting; `batches(i)`: step i's (x, y) on the
-    devices. The loss is read every READ_EVERY steps (also keeps XLA's CPU collectives from
+    devices, with its sample weights where the data has them. The loss is read every READ_EVERY steps (also keeps XLA's CPU collectives from
     timing out, jax #25861), with the interval's accuracy where `accuracy` (its correct and
     total counts summed on the device). Returns the median step time over those intervals
     after the first, when step 1 was done, and the compiled step."""
@@ -496,14 +496,14 @@ def jit_loop(model, batches: Callable[[int], tuple], steps: int, accuracy: bool 
     # keras-hub's CausalLM.call takes no `training` (stateless_call passes it through).
     training = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
 
-    def loss_of(trainable, non_trainable, x, y):
+    def loss_of(trainable, non_trainable, x, y, *sample_weight):
         logits, non_trainable = model.stateless_call(trainable, non_trainable, x, **training)
-        return loss_fn(y, logits), (logits, non_trainable)
+        return loss_fn(y, logits, *sample_weight), (logits, non_trainable)
 
-    def step(state, counts, x, y):
+    def step(state, counts, x, y, *sample_weight):
         trainable, non_trainable, optimizer_state = state
         (loss, (logits, non_trainable)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            trainable, non_trainable, x, y
+            trainable, non_trainable, x, y, *sample_weight
         )
         trainable, optimizer_state = optimizer.stateless_apply(optimizer_state, grads, trainable)
         if accuracy:
