@@ -78,6 +78,23 @@ def test_extra_rules_shard_what_the_model_leaves_replicated(built_model):
     assert spec_of(head) == (None, "model")
 
 
+def test_rules_of_one_layout_are_one_key_of_keras_layout_map(built_model):
+    """Keras full-matches every key of its LayoutMap against each path it looks up, through
+    re's cache of 512 compiled patterns: fsdp's rule per weight overflows it on a large model
+    (minutes of a 7 B plan). Rules with the same axes are one key, and each variable keeps
+    its own rule's layout."""
+    many = {f"unused_{i}/kernel": (None, "model") for i in range(600)}
+    model, rules = built_model("hybrid", MeshShape(2, 4), {**many, "head/kernel": (None, "model")})
+    layouts = {tuple(axes) for axes in rules.values()}
+    assert len(keras.distribution.distribution()._layout_map) == len(layouts)
+    head = next(v for v in model.variables if v.path == "head/kernel")
+    assert spec_of(head) == (None, "model")
+    for variable in model.variables:
+        expected = EXPECTED_MLP_SPECS.get(variable.path.split("_", 2)[-1])
+        if expected:
+            assert spec_of(variable) == expected, variable.path
+
+
 @pytest.mark.parametrize(
     ("mesh", "within"), [((2, 4), True), ((4, 2), True), ((8, 1), True), ((1, 8), False)]
 )

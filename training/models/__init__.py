@@ -12,6 +12,7 @@ from training.models.checks import check_labels_fit
 from training.models.layout import (
     SPLIT_THRESHOLD_BYTES,
     axis_names,
+    full_match,
     layout_rules,
     matching_rule,
     rule_axes,
@@ -28,6 +29,7 @@ __all__ = [
     "build_model",
     "check_labels_fit",
     "dtype_policy",
+    "full_match",
     "layout_rules",
     "matching_rule",
     "rule_axes",

@@ -26,7 +26,7 @@ def rule_axes(path: str, rules: LayoutRules) -> tuple[str | None, ...]:
 def matching_rule(path: str, rules: LayoutRules) -> tuple[str, tuple[str | None, ...]]:
     """The first rule that full-matches `path`: its pattern and axes; ("", ()) where none does."""
     return next(
-        ((pattern, tuple(axes)) for pattern, axes in rules.items() if _matches(pattern, path)),
+        ((pattern, tuple(axes)) for pattern, axes in rules.items() if full_match(pattern, path)),
         ("", ()),
     )
 
@@ -43,7 +43,7 @@ def written_axes(axes) -> str:
 
 
 @functools.cache
-def _matches(pattern: str, path: str) -> bool:
+def full_match(pattern: str, path: str) -> bool:
     # fsdp writes a rule per variable: a large model's hundreds of patterns overflow re's own
     # cache of 512, and each lookup would compile them all again (minutes for a 7 B plan).
     return re.fullmatch(pattern, path) is not None
@@ -103,7 +103,7 @@ def _by_precedence(sources: list[LayoutRules], variables: list[str]) -> LayoutRu
             if pattern.endswith(ACTIVATION_RULE_SUFFIX):
                 rules.setdefault(pattern, axes)
                 continue
-            matched = [path for path in variables if re.fullmatch(pattern, path)]
+            matched = [path for path in variables if full_match(pattern, path)]
             free = [path for path in matched if path not in claimed]
             matched_here.update(matched)
             if len(free) == len(matched):

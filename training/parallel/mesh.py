@@ -108,9 +108,23 @@ def build_distribution(strategy: Strategy, grid: np.ndarray, layout_rules: dict)
     mesh = kd.DeviceMesh(grid.shape, ["data", "model"], devices=grid)
     keras_compat.allow_several_axes_per_dimension()  # hybrid + fsdp's ("model", "data")
     layout_map = kd.LayoutMap(mesh)
-    for pattern, axes in layout_rules.items():
-        layout_map[pattern] = tuple(tuple(a) if isinstance(a, list) else a for a in axes)
+    for pattern, axes in _one_pattern_per_layout(layout_rules).items():
+        layout_map[pattern] = axes
     return kd.ModelParallel(layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=False)
+
+
+def _one_pattern_per_layout(layout_rules: dict) -> dict:
+    """The rules with the same axes joined into one pattern. Keras' LayoutMap full-matches
+    each of its keys against every path it looks up, through re's cache of 512 compiled
+    patterns: fsdp's rule per weight and output rule per layer overflow it on a large model,
+    and each lookup would compile them all again (two of a 7 B plan's four minutes). The
+    rules match disjoint paths (Keras refuses a path two keys match), so the joined pattern
+    lays out each path as its own rule did."""
+    joined: dict[tuple, list[str]] = {}
+    for pattern, axes in layout_rules.items():
+        written = tuple(tuple(a) if isinstance(a, list) else a for a in axes)
+        joined.setdefault(written, []).append(pattern)
+    return {"|".join(f"(?:{p})" for p in patterns): axes for axes, patterns in joined.items()}
 
 
 def settled(cfg: RunConfig, rules: LayoutRules) -> RunConfig:

@@ -9,13 +9,12 @@ times, and derives each model axis's once.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 from training import models
 from training.config import ConfigError
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules, VariableInfo
-from training.models import axis_names, split_size
+from training.models import axis_names, full_match, split_size
 from training.parallel.fsdp import overridden_warning, shard_over_data, yield_indivisible_data
 from training.parallel.mesh import MeshShape
 from training.parallel.strategy import Rules, Strategy
@@ -80,7 +79,7 @@ def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: 
     rules = {p: a for p, a in rules.items() if not p.endswith(ACTIVATION_RULE_SUFFIX)}
     listing = "\n  ".join(f"{v.path} {list(v.shape)}" for v in variables)
     for pattern, axes in rules.items():
-        matched = [v for v in variables if re.fullmatch(pattern, v.path)]
+        matched = [v for v in variables if full_match(pattern, v.path)]
         if not matched:
             raise ConfigError(
                 f"layout rule {pattern!r} matches no variable of the model (rules are "
@@ -89,7 +88,7 @@ def check_layout_rules(rules: LayoutRules, variables: list[VariableInfo], mesh: 
         for variable in matched:
             _check_split(pattern, axes, variable, axis_sizes)
     for variable in variables:
-        hits = [p for p in rules if re.fullmatch(p, variable.path)]
+        hits = [p for p in rules if full_match(p, variable.path)]
         if len(hits) > 1:
             raise ConfigError(f"variable {variable.path} matches several layout rules: {hits}")
 
