@@ -42,11 +42,15 @@ def written_axes(axes) -> str:
     return "[" + ", ".join(one(a) for a in axes) + "]"
 
 
-@functools.cache
 def full_match(pattern: str, path: str) -> bool:
+    return _compiled(pattern).fullmatch(path) is not None
+
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern:
     # fsdp writes a rule per variable: a large model's hundreds of patterns overflow re's own
-    # cache of 512, and each lookup would compile them all again (minutes for a 7 B plan).
-    return re.fullmatch(pattern, path) is not None
+    # cache of 512, and each match would compile them all again (minutes for a 7 B plan).
+    return re.compile(pattern)
 
 
 def axis_names(axes) -> set[str]:
