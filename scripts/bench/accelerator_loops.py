@@ -93,7 +93,8 @@ def host_loop(cfg) -> dict:
     compiled = next(e for e in events if isinstance(e, Compiled))
     # Whole intervals after the first, as the jit loop's: a shorter last one waits on fewer
     # steps queued.
-    whole = [e for e in logged[1:] if e.steps == max(e.steps for e in logged)] or logged[1:]
+    interval = max(e.steps for e in logged)
+    whole = [e for e in logged[1:] if e.steps == interval] or logged[1:]
     return {
         "step_seconds": statistics.median(e.seconds / e.steps for e in whole),
         "step_memory_bytes": compiled.step_memory_bytes,

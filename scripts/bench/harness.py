@@ -486,8 +486,8 @@ def jit_loop(model, batches: Callable[[int], tuple], steps: int, accuracy: bool 
     devices, with its sample weights where the data has them. The loss is read every
     READ_EVERY steps (also keeps XLA's CPU collectives from timing out, jax #25861), with
     the interval's accuracy where `accuracy` (its correct and total counts summed on the
-    device). Returns the median step time over those intervals
-    after the first, when step 1 was done, and the compiled step."""
+    device). Returns the median step time over those intervals after the first, when step 1
+    was done, and the compiled step."""
     import inspect
 
     import jax
