@@ -94,10 +94,14 @@ MULTIRUN = [
     "trainer.global_batch=32",
     "optimizer=adam,sgd",
     "checkpoint.interval=2",
+    # In the sweep's own process: Hydra's sweep through the launcher, each trial's output and
+    # its report are what is tested; trials on Ray, each its own host group, are the sweep
+    # test's (tests/driver/test_sweep.py), and the hosts' start lines test_outputs'.
+    "cluster=inprocess",
 ]
 
 
-@pytest.mark.ray
+@pytest.mark.slow
 def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
     checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
     result = cli(*MULTIRUN, checkpoints, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
@@ -116,7 +120,6 @@ def test_multirun_trains_every_job_and_prints_each_summary(tmp_path):
         assert len(summary["loss_history"]) == 2
     assert "step 4/4" in result.stdout  # plain progress lines when not on a terminal
     assert_no_control_characters(result.stdout + result.stderr)
-    assert re.search(r"host 1 on .* devices 2048 at \(1,0\), 2049 at \(1,1\)", result.stdout)
 
     # TensorBoard, pointed at the sweep, shows the trials side by side.
     runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "sweep")).Reload().Runs()
