@@ -37,6 +37,11 @@ os.environ["XDG_CACHE_HOME"] = os.environ["TRAINING_TESTS_CACHE"]
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{worker}-", dir="/tmp")
     atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], ignore_errors=True)
+# libtpu's logs per process (pytest-xdist worker): every Ray node links libtpu's log
+# directory (TPU_LOG_DIR, else /tmp/tpu_logs) into its own logs and streams it to its drivers,
+# so one worker's TPU compile would print into another worker's run.
+os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="tpu-logs-")
+atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], ignore_errors=True)
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402

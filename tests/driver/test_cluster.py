@@ -219,7 +219,7 @@ JOIN = """
 import sys, ray
 from training.config import compose_run_config
 from training.driver.cluster import join_running
-print(repr(join_running(compose_run_config(sys.argv[1:]).cluster)))
+print("joined:", repr(join_running(compose_run_config(sys.argv[1:]).cluster)))
 ray.shutdown()
 """
 
@@ -232,10 +232,11 @@ def test_a_local_run_joins_a_running_one_node_instance_only_with_room(kept_insta
 
     def joined(*overrides: str) -> str:
         result = in_users_shell(kept_instance, [sys.executable, "-c", JOIN, *overrides], REPO)
-        return result.stdout.strip().splitlines()[-1]
+        # Its own line: Ray streams what the instance's processes log into the same stdout.
+        return next(line for line in result.stdout.splitlines() if line.startswith("joined: "))
 
     assert f"the running local instance at {kept_instance.address}" in joined()
-    assert joined("cluster.hosts=8") == "''"
+    assert joined("cluster.hosts=8") == "joined: ''"
     told_not_to = run_config(["cluster.use_running=false"]).cluster
     assert join_running(told_not_to) == ""  # before looking for one
 
