@@ -143,6 +143,7 @@ def compiled_on_a_tpu(model: str) -> dict:
     return step
 
 
+@pytest.mark.slow
 def test_on_a_tpu_the_compiled_step_holds_the_kernel_and_not_the_scores():
     step = compiled_on_a_tpu("transformer")
     assert step["tpu_custom_calls"] > 0

@@ -71,6 +71,7 @@ def test_a_tpu_slice_is_sized_and_compiled_for_by_the_tpu_compiler():
     assert {c.group for c in compiled.collectives} == {4}
 
 
+@pytest.mark.slow
 def test_on_a_tpu_slice_the_fsdp_step_never_holds_every_whole_gradient():
     """Under fsdp libtpu reduce-scatters each gradient as the backward pass makes it: the
     step's memory above its (split) state stays under the whole gradients' size. With each
@@ -129,6 +130,7 @@ def test_the_hybrid_fsdp_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_sca
     assert "once" in plan.gradients_note
 
 
+@pytest.mark.slow
 def test_the_estimate_for_a_tpu_slice_counts_no_attention_scores_where_splash_runs():
     """libtpu's step runs the transformer's attention in splash attention, which never holds
     the (T, S) scores nor their softmax, only its output and each query row's log-sum-exp:
