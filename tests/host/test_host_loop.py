@@ -70,7 +70,10 @@ def synchronous_losses(overrides: list[str]) -> tuple[list[float], list[float], 
     return means, accuracies, sum(held_out) / len(held_out)
 
 
-@pytest.mark.parametrize("extra", [[], ["trainer.accumulate=2", "optimizer=sgd"]])
+@pytest.mark.parametrize(
+    "extra",
+    [[], pytest.param(["trainer.accumulate=2", "optimizer=sgd"], marks=pytest.mark.slow)],
+)
 def test_the_asynchronous_loop_logs_what_a_synchronous_loop_does(extra):
     """Each logged loss and accuracy is the mean over the interval since the last log."""
     overrides = LOOP + ["trainer.eval_batches=1", "trainer.eval_interval=100"] + extra

@@ -4,6 +4,7 @@ checkpoint gives every value); the run goes on exactly as one that was never int
 import jax
 import keras
 import numpy as np
+import pytest
 
 from tests.conftest import FAST, run_config
 from training.run import run_training
@@ -49,6 +50,7 @@ def computed_while(run) -> tuple[dict, int]:
     return run(), CountedGlorot.computed
 
 
+@pytest.mark.slow
 def test_a_resumed_host_runs_no_initializer_and_trains_as_if_never_stopped(tmp_path):
     def run(name: str, steps: int, directory: str) -> dict:
         overrides = [f"trainer.steps={steps}", f"checkpoint.dir={tmp_path / directory}"]

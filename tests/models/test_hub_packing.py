@@ -74,10 +74,8 @@ def assert_same(got, want):
         np.testing.assert_allclose(got_grad, want_grad, rtol=2e-4, atol=2e-6)
 
 
-# One architecture in the quick subset; each of the others in the full suite.
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=[] if f == "llama" else [pytest.mark.slow]) for f in FAMILIES]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_packed_batch_gives_the_loss_and_gradients_of_its_examples_unpacked(family):
     model = tiny_task(family)
     assert_same(loss_and_gradients(model, packed()), loss_and_gradients(model, unpacked()))
@@ -127,6 +125,7 @@ def test_an_example_has_its_own_logits_wherever_it_sits_in_its_row(llama):
     np.testing.assert_allclose(packed_logits[0][second], alone[1][:n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_model_with_positions_of_its_own_refuses_packed_rows():
     """GPT-2's learned positions would not restart in a packed row."""
     model = hub.causal_lm(

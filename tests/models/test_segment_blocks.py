@@ -140,7 +140,11 @@ def batch_of_rows(tiled: bool) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "window, tiled",
-    [(None, False), (None, True), pytest.param(150, False, marks=pytest.mark.slow)],
+    [
+        pytest.param(None, False, marks=pytest.mark.slow),
+        (None, True),
+        pytest.param(150, False, marks=pytest.mark.slow),
+    ],
 )
 def test_the_kernel_gives_jaxs_attention_and_gradients_on_packed_rows(window, tiled):
     """`batch_of_rows` (tiles of 128: five blocks, most pairs skipped), every row's kernel

@@ -86,6 +86,7 @@ def test_on_a_tpu_slice_the_fsdp_step_never_holds_every_whole_gradient():
     assert compiled.memory.needed - compiled.memory.arguments < float32_gradients
 
 
+@pytest.mark.slow
 def test_the_fsdp_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_makes_them():
     """Each gradient split as its weight, and the largest layer's gathered weights and whole
     gradients: the estimate within 10 % of what libtpu's step needs (counting every gradient
@@ -95,6 +96,7 @@ def test_the_fsdp_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_makes_them
     assert plan.gradients_note == ""
 
 
+@pytest.mark.slow
 def test_the_data_parallel_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_reduces_them():
     """libtpu all-reduces the gradients in combined groups of at most 120 MiB, each reduced
     in place and consumed by the update before the next: of the four 64 MiB kernels'
@@ -118,6 +120,7 @@ def test_the_data_parallel_estimate_for_a_tpu_slice_counts_activations_as_libtpu
     assert plan.configured.memory_bytes == pytest.approx(plan.compiled.memory.needed, rel=0.1)
 
 
+@pytest.mark.slow
 def test_the_hybrid_fsdp_estimate_for_a_tpu_slice_counts_gradients_as_libtpu_scatters_them():
     """With a model axis the explicit gather's backward constrains each gradient to its
     weight's layout, which libtpu reduce-scatters weight by weight into a split output: the
