@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 from typing import Any
 
 import keras
@@ -34,6 +33,7 @@ from training.config import ConfigError
 from training.contracts import MESH_AXES
 from training.models import hub_attention, hub_packing
 from training.models.example_tiles import example_tile
+from training.models.layout import full_match
 
 DATA_AXIS, MODEL_AXIS = MESH_AXES
 # Inputs the wrapper feeds a backbone: anything else (images, segment ids) it cannot.
@@ -240,7 +240,7 @@ def layout_map(
     # `token_embedding/reverse_embeddings`, (hidden, vocabulary), which keras-hub 0.32's Llama
     # map does not mention: Keras would leave it whole on every device (as large as the
     # embedding). Split it as the embedding, transposed.
-    mentioned = any(re.fullmatch(key, REVERSE_EMBEDDINGS) for key in layouts)
+    mentioned = any(full_match(key, REVERSE_EMBEDDINGS) for key in layouts)
     if not mentioned and not _ties_embeddings(cls, config):
         embedding = layouts[EMBEDDINGS]
         if embedding is not None and len(embedding.axes) == 2:

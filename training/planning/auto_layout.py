@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from training import keras_compat
 from training.contracts import ACTIVATION_RULE_SUFFIX, LayoutRules
-from training.models import SPLIT_THRESHOLD_BYTES, rule_axes, written_axes
+from training.models import SPLIT_THRESHOLD_BYTES, full_match, rule_axes, written_axes
 from training.planning import layer_graph
 from training.planning.tensor_parallel import Derivation
 
@@ -271,7 +271,7 @@ def _generalised(
     why: dict[str, str] = {}
     for pattern, members in groups.items():
         same = len({(chosen[m], reasons.get(m)) for m in members}) == 1
-        matched = {n for n in names if re.fullmatch(pattern, n)}
+        matched = {n for n in names if full_match(pattern, n)}
         if len(members) > 1 and same and matched == set(members):
             rules[pattern], why[pattern] = chosen[members[0]], reasons.get(members[0], "")
             continue
