@@ -1,6 +1,5 @@
 """Test setup: 8 in-process CPU devices, and one local Ray instance shared by the Ray tests."""
 
-import atexit
 import json
 import os
 import re
@@ -23,25 +22,34 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["KERAS_BACKEND"] = "jax"
 # Before the session's Ray instance starts, so that its hosts have them.
 use_emulator_credentials()
+
+
+OWN_DIRECTORIES: list[str] = []
+
+
+def own_directory(variable: str, **where) -> None:
+    """Point `variable` at a fresh temporary directory, removed as this process's pytest ends
+    (`pytest_unconfigure`: a pytest-xdist worker exits without running `atexit`'s)."""
+    os.environ[variable] = tempfile.mkdtemp(**where)
+    OWN_DIRECTORIES.append(os.environ[variable])
+
+
 # The test run's own cache directory, so JAX's compilation cache (trainer.compile_cache_dir's
 # default, under $XDG_CACHE_HOME) is neither the user's nor another test run's; the Ray
 # instances and CLI processes the tests start inherit it, and so do pytest-xdist's workers
 # (started after this ran in the controller): a step one worker's test compiled, the other's
 # loads.
 if "TRAINING_TESTS_CACHE" not in os.environ:
-    os.environ["TRAINING_TESTS_CACHE"] = tempfile.mkdtemp(prefix="training-tests-cache-")
-    atexit.register(shutil.rmtree, os.environ["TRAINING_TESTS_CACHE"], ignore_errors=True)
+    own_directory("TRAINING_TESTS_CACHE", prefix="training-tests-cache-")
 os.environ["XDG_CACHE_HOME"] = os.environ["TRAINING_TESTS_CACHE"]
 # Ray's own directory per pytest-xdist worker: a run finds the local instance to join by the
 # address file there, and must find its own worker's, not another worker's.
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{worker}-", dir="/tmp")
-    atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], ignore_errors=True)
+    own_directory("RAY_TMPDIR", prefix=f"ray-{worker}-", dir="/tmp")
 # libtpu's logs per process (pytest-xdist worker): every Ray node links libtpu's log
 # directory (TPU_LOG_DIR, else /tmp/tpu_logs) into its own logs and streams it to its drivers,
 # so one worker's TPU compile would print into another worker's run.
-os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="tpu-logs-")
-atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], ignore_errors=True)
+own_directory("TPU_LOG_DIR", prefix="tpu-logs-")
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -89,6 +97,11 @@ def run_config(overrides: list[str]) -> RunConfig:
 # The fixtures of a Ray instance: the session's, and the clusters tests/driver/test_cluster.py
 # starts (a three-node one, a kept `ray start --head`).
 RAY_FIXTURES = {"ray_cluster", "multinode_cluster", "kept_instance"}
+
+
+def pytest_unconfigure(config):
+    for directory in OWN_DIRECTORIES:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
