@@ -322,7 +322,7 @@ def test_transformer_under_hybrid_learns_what_data_parallel_does(ray_cluster, tm
 def test_a_second_identical_run_loads_every_hosts_step_from_the_compile_cache(
     ray_cluster, tmp_path
 ):
-    """JAX's own cache serves process 0 only; the other hosts keep their own copy."""
+    """JAX writes its cache from process 0 only; every host loads the step from it."""
     overrides = [
         "strategy=hybrid",
         "mesh.data=2",

@@ -7,16 +7,18 @@ Every program is cached, however small or quick to compile (JAX's defaults skip 
 compile in under a second, which on CPU is most of them).
 
 JAX writes cache entries from process 0 only, and on CPU the other processes' keys differ
-from process 0's (the topology fingerprint in the key is per process), so in a multi-process
-run they would compile the step afresh every time, and the step waits for the slowest
-process. `compile_step` therefore keeps the other processes' step programs itself, with
-JAX's own serialization (`jax.experimental.serialize_executable`), one file per process.
+from process 0's: XLA's topology fingerprint in the key is per process. So in a
+multi-process run they would compile every program afresh every time, and the step waits
+for the slowest process. `use_cache` therefore keys a CPU program by its devices (their ids,
+processes and kind, which every process sees alike) and this machine's CPU features instead,
+so that every process loads what process 0 wrote.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
+import platform
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,70 +61,49 @@ def use_cache(setting: str) -> Path | None:
         jax.config.update("jax_enable_compilation_cache", enabled)
         # JAX decides once per process whether it uses a cache: decide again.
         compilation_cache.reset_cache()
+    _same_key_on_every_process()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return directory
 
 
-STEPS_SUBDIRECTORY = "steps"
+def _same_key_on_every_process() -> None:
+    """Key a CPU program by its devices, as every process sees them, and this machine's CPU
+    features, in place of XLA's topology fingerprint (once per process)."""
+    from jax._src import cache_key
+
+    if getattr(cache_key, _KEYED_BY_DEVICES, False):
+        return
+    # JAX offers no public way to key its cache (0.10): its own key function is replaced.
+    fingerprinted = cache_key._hash_accelerator_config  # noqa: SLF001
+
+    def by_devices(hash_obj, devices) -> None:
+        if devices.flat[0].platform != "cpu":
+            fingerprinted(hash_obj, devices)
+            return
+        placed = [(d.id, d.process_index, d.device_kind) for d in devices.flat]
+        hash_obj.update(repr((placed, _cpu_features())).encode())
+
+    cache_key._hash_accelerator_config = by_devices  # noqa: SLF001
+    setattr(cache_key, _KEYED_BY_DEVICES, True)
 
 
-def compile_step(lowered):
-    """`lowered.compile()`, served from this process's own copy, in the cache directory
-    `use_cache` set, where JAX's cache cannot serve it (a process other than 0 of several)."""
-    import jax
-
-    directory = jax.config.jax_compilation_cache_dir
-    if not jax.config.jax_enable_compilation_cache or not directory or jax.process_index() == 0:
-        return lowered.compile()
-    path = Path(directory) / STEPS_SUBDIRECTORY / f"{_step_key(lowered)}.bin"
-    compiled = _load(path, lowered)
-    if compiled is not None:
-        _counts_now().add(requests=1, hits=1)
-        return compiled
-    compiled = lowered.compile()  # JAX counts this request, a miss
-    _store(path, compiled)
-    return compiled
+_KEYED_BY_DEVICES = "_training_keyed_by_devices"
 
 
-def _step_key(lowered) -> str:
-    """What a stored program depends on: the program, this process's place among the
-    devices, and the versions and flags of the compiler."""
-    import jax
-
-    devices = [(d.id, d.process_index, d.device_kind) for d in jax.devices()]
-    digest = hashlib.sha256(lowered.as_text().encode())
-    for part in (jax.__version__, jax.process_index(), devices, os.environ.get("XLA_FLAGS")):
-        digest.update(repr(part).encode())
-    return digest.hexdigest()
-
-
-def _load(path: Path, lowered):
-    from jax.experimental.serialize_executable import deserialize_and_load
-
+@functools.cache
+def _cpu_features() -> str:
+    """What the compiled code may use of this CPU: a cache shared between machines must not
+    serve one's programs to another that lacks its instructions."""
     try:
-        serialized = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        return deserialize_and_load(serialized, lowered.in_tree, lowered.out_tree)
-    except Exception:  # a truncated or stale file: compile afresh and replace it
-        return None
-
-
-def _store(path: Path, compiled) -> None:
-    from jax.experimental.serialize_executable import serialize
-
-    serialized, _, _ = serialize(compiled)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_bytes(serialized)
-    partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 class _Counts:
-    """Cache lookups and hits in this process, counted from JAX's monitoring events and
-    from `compile_step`'s own copies."""
+    """Cache lookups and hits in this process, counted from JAX's monitoring events."""
 
     def __init__(self):
         self.hits = self.requests = 0

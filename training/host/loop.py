@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.host.compile_cache import compile_step
 from training.recipe.schedules import learning_rate_at
 from training.step import (
     COUNTS,
@@ -102,7 +101,7 @@ class CompiledStep:
         shardings = jax.tree.map(lambda value: value.sharding, self.state)
         step = jitted_micro_step(self.model, self.accumulate, shardings, self._replicated)
         lowered = step.lower(self.state, self.metrics, self.carry, batch)
-        self._compiled = compile_step(lowered)
+        self._compiled = lowered.compile()
         # The prefetcher places the next batch while a step runs: one more on the devices.
         self.memory = compiled_memory(self._compiled, shard_bytes(batch))
         return time.perf_counter() - started
